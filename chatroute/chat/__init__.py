@@ -1,0 +1,38 @@
+"""Chat abstractions: messages, options, responses and the ChatClient contract."""
+
+from chatroute.chat.client import ChatClient, ConfigureOptionsChatClient, DelegatingChatClient
+from chatroute.chat.embedding import EmbeddingFingerprint, EmbeddingGenerator
+from chatroute.chat.types import (
+    ChatFinishReason,
+    ChatMessage,
+    ChatOptions,
+    ChatResponse,
+    ChatResponseUpdate,
+    ChatRole,
+    Content,
+    FunctionCallContent,
+    FunctionResultContent,
+    TextContent,
+    TextReasoningContent,
+    UsageDetails,
+)
+
+__all__ = [
+    "ChatClient",
+    "ChatFinishReason",
+    "ChatMessage",
+    "ChatOptions",
+    "ChatResponse",
+    "ChatResponseUpdate",
+    "ChatRole",
+    "ConfigureOptionsChatClient",
+    "Content",
+    "DelegatingChatClient",
+    "EmbeddingFingerprint",
+    "EmbeddingGenerator",
+    "FunctionCallContent",
+    "FunctionResultContent",
+    "TextContent",
+    "TextReasoningContent",
+    "UsageDetails",
+]

@@ -1,0 +1,199 @@
+"""Message, content, options and response types shared by every chat client."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "ChatFinishReason",
+    "ChatMessage",
+    "ChatOptions",
+    "ChatResponse",
+    "ChatResponseUpdate",
+    "ChatRole",
+    "Content",
+    "FunctionCallContent",
+    "FunctionResultContent",
+    "TextContent",
+    "TextReasoningContent",
+    "UsageDetails",
+]
+
+
+class ChatRole(str, Enum):
+    """The author of a chat message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class ChatFinishReason(str, Enum):
+    """Why a model stopped producing output."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+
+
+@dataclass
+class Content:
+    """Base class of the parts a message or an update is made of."""
+
+
+@dataclass
+class TextContent(Content):
+    """Plain text."""
+
+    text: str
+
+
+@dataclass
+class TextReasoningContent(Content):
+    """Reasoning ("thinking") text that a model produced besides its answer."""
+
+    text: str
+
+
+@dataclass
+class FunctionCallContent(Content):
+    """A tool call requested by the model; `arguments` is the raw JSON text (possibly partial)."""
+
+    call_id: str | None
+    name: str | None
+    arguments: str = ""
+    index: int | None = None
+
+
+@dataclass
+class FunctionResultContent(Content):
+    """The result of a tool call, sent back to the model."""
+
+    call_id: str
+    result: Any
+
+
+@dataclass
+class UsageDetails:
+    """Token accounting reported by a provider."""
+
+    input_token_count: int | None = None
+    output_token_count: int | None = None
+    total_token_count: int | None = None
+    additional_counts: dict[str, int] = field(default_factory=dict)
+
+
+def _text_of(contents: Iterable[Content]) -> str:
+    return "".join(c.text for c in contents if isinstance(c, TextContent))
+
+
+class ChatMessage:
+    """A role and a list of contents; `.text` joins the text parts with no separator."""
+
+    __slots__ = ("additional_properties", "author_name", "contents", "role")
+
+    def __init__(
+        self,
+        role: ChatRole | str,
+        text: str | None = None,
+        contents: Sequence[Content] | None = None,
+        *,
+        author_name: str | None = None,
+        additional_properties: dict[str, Any] | None = None,
+    ) -> None:
+        if role is None:
+            raise TypeError("role must not be None")
+        self.role: ChatRole = role if isinstance(role, ChatRole) else ChatRole(role)
+        if text is not None and not isinstance(text, str):
+            raise TypeError("text must be a str")
+        parts: list[Content] = list(contents) if contents is not None else []
+        if text is not None:
+            parts.insert(0, TextContent(text))
+        self.contents: list[Content] = parts
+        self.author_name = author_name
+        self.additional_properties = additional_properties
+
+    @property
+    def text(self) -> str:
+        """The text parts joined with no separator; other contents are ignored."""
+        return _text_of(self.contents)
+
+    def __repr__(self) -> str:
+        return f"ChatMessage(role={self.role.value!r}, text={self.text!r})"
+
+
+@dataclass
+class ChatOptions:
+    """Per-request options; mutable, and `clone()` is shallow."""
+
+    model_id: str | None = None
+    instructions: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    reasoning: Any = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    additional_properties: dict[str, Any] | None = None
+
+    def clone(self) -> ChatOptions:
+        """A shallow copy: lists and the properties dict are new, their items shared."""
+        other = copy.copy(self)
+        if self.stop_sequences is not None:
+            other.stop_sequences = list(self.stop_sequences)
+        if self.tools is not None:
+            other.tools = list(self.tools)
+        if self.additional_properties is not None:
+            other.additional_properties = dict(self.additional_properties)
+        return other
+
+
+@dataclass
+class ChatResponse:
+    """A complete (non-streaming) answer."""
+
+    messages: list[ChatMessage] = field(default_factory=list)
+    model_id: str | None = None
+    finish_reason: ChatFinishReason | str | None = None
+    usage: UsageDetails | None = None
+    response_id: str | None = None
+    created_at: float | None = None
+    raw_representation: Any = None
+    additional_properties: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The text of every message, joined."""
+        return "".join(m.text for m in self.messages)
+
+
+@dataclass
+class ChatResponseUpdate:
+    """One streamed piece of an answer."""
+
+    role: ChatRole | None = None
+    contents: list[Content] = field(default_factory=list)
+    finish_reason: ChatFinishReason | str | None = None
+    model_id: str | None = None
+    response_id: str | None = None
+    usage: UsageDetails | None = None
+    created_at: float | None = None
+    raw_representation: Any = None
+    additional_properties: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The text parts of this update, joined."""
+        return _text_of(self.contents)

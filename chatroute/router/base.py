@@ -1,0 +1,94 @@
+"""RoutingChatClient: a ChatClient that picks one backend client per request."""
+
+from __future__ import annotations
+
+import inspect
+from abc import abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from chatroute.chat.client import ChatClient
+from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
+from chatroute.router.context import RoutingContext
+
+__all__ = ["RoutingChatClient", "close_iterator"]
+
+Selector = Callable[[RoutingContext], "ChatClient | Awaitable[ChatClient]"]
+
+
+async def close_iterator(iterator: Any) -> None:
+    """Await `iterator.aclose()` when the iterator has one."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _check_selected(client: ChatClient | None) -> ChatClient:
+    if client is None:
+        raise RuntimeError("select_client returned None")
+    return client
+
+
+class RoutingChatClient(ChatClient):
+    """Makes one selection per request (or per stream iteration) and dispatches to it.
+
+    Subclasses implement `select_client`. The base never retries, keeps no state, owns
+    nothing and passes responses, updates and exceptions through untouched.
+    """
+
+    @abstractmethod
+    async def select_client(self, context: RoutingContext) -> ChatClient:
+        """Choose the client that answers the request described by `context`."""
+
+    @staticmethod
+    def create(selector: Selector) -> RoutingChatClient:
+        """A router whose selection is `selector(context)` (a plain or coroutine function)."""
+        if selector is None or not callable(selector):
+            raise TypeError("selector must be a callable")
+        return _CallbackRoutingChatClient(selector)
+
+    async def _select(self, context: RoutingContext) -> ChatClient:
+        return _check_selected(await self.select_client(context))
+
+    async def get_response(
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
+    ) -> ChatResponse:
+        if messages is None:
+            raise TypeError("messages must not be None")
+        context = RoutingContext(messages, options)
+        selected = await self._select(context)
+        return await selected.get_response(context.messages, context.chat_options)
+
+    async def get_streaming_response(  # type: ignore[override]
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
+    ) -> AsyncIterator[ChatResponseUpdate]:
+        if messages is None:
+            raise TypeError("messages must not be None")
+        context = RoutingContext(messages, options)
+        selected = await self._select(context)
+        stream = selected.get_streaming_response(context.messages, context.chat_options)
+        iterator: AsyncIterator[ChatResponseUpdate] | None = None
+        try:
+            iterator = aiter(stream)
+            while True:
+                try:
+                    item = await anext(iterator)
+                except StopAsyncIteration:
+                    break
+                yield item
+        finally:
+            if iterator is not None:
+                await close_iterator(iterator)
+
+
+class _CallbackRoutingChatClient(RoutingChatClient):
+    """The router built by `RoutingChatClient.create`."""
+
+    def __init__(self, selector: Selector) -> None:
+        self._selector = selector
+
+    async def select_client(self, context: RoutingContext) -> ChatClient:
+        result = self._selector(context)
+        if inspect.isawaitable(result):
+            result = await result
+        return result  # type: ignore[return-value]
