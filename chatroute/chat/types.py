@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -150,7 +149,8 @@ class ChatOptions:
 
     def clone(self) -> ChatOptions:
         """A shallow copy: lists and the properties dict are new, their items shared."""
-        other = copy.copy(self)
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
         if self.stop_sequences is not None:
             other.stop_sequences = list(self.stop_sequences)
         if self.tools is not None:

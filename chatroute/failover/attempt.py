@@ -36,6 +36,26 @@ class FailoverChatClientAttempt:
     output_committed: bool
 
     def __post_init__(self) -> None:
+        # Fast path for the records the failover loop builds (float seconds, real bools);
+        # anything else goes through the full checks, which raise the precise error.
+        duration = self.duration
+        ttfu = self.time_to_first_update
+        exception = self.exception
+        if (
+            type(duration) is float
+            and duration >= 0.0
+            and (ttfu is None or (type(ttfu) is float and 0.0 <= ttfu <= duration))
+            and self.client is not None
+            and (exception is None or isinstance(exception, BaseException))
+            and type(self.response_completed) is bool
+            and type(self.output_committed) is bool
+            and not (self.response_completed and exception is not None)
+            and self.output_committed == (ttfu is not None)
+        ):
+            return
+        self._check()
+
+    def _check(self) -> None:
         if self.client is None:
             raise TypeError("client must not be None")
         duration = _check_seconds("duration", self.duration)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from time import perf_counter
 from typing import Any, NoReturn
@@ -37,10 +38,9 @@ async def _close_after_interrupt(iterator: Any) -> None:
     """Best-effort close of an inner iterator while a non-failure BaseException propagates."""
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
-        try:
+        # The interrupt that is already propagating takes precedence over a close failure.
+        with contextlib.suppress(*_FAILURES):
             await aclose()
-        except _FAILURES:
-            pass  # the interrupt that is already propagating takes precedence
 
 
 class FailoverChatClient(RoutingChatClient):
@@ -90,18 +90,21 @@ class FailoverChatClient(RoutingChatClient):
             raise TypeError("messages must not be None")
         context = RoutingContext(messages, options)
         limit = self._maximum_attempts_per_request
+        clock = perf_counter
         attempts = 0
         while True:
-            client = await self._select(context)
+            client = await self.select_client(context)
+            if client is None:
+                raise RuntimeError("select_client returned None")
             attempts += 1
-            start = perf_counter()
+            start = clock()
             try:
                 response = await client.get_response(context.messages, context.chat_options)
             except _FAILURES as exc:
-                duration = perf_counter() - start
+                duration = clock() - start
                 failure: BaseException = exc
             else:
-                duration = perf_counter() - start
+                duration = clock() - start
                 await self.on_routing_update(
                     context,
                     FailoverChatClientAttempt(client, duration, None, None, True, False),
@@ -127,15 +130,18 @@ class FailoverChatClient(RoutingChatClient):
             raise TypeError("messages must not be None")
         context = RoutingContext(messages, options)
         limit = self._maximum_attempts_per_request
+        clock = perf_counter
         attempts = 0
         while True:
-            client = await self._select(context)
+            client = await self.select_client(context)
+            if client is None:
+                raise RuntimeError("select_client returned None")
             attempts += 1
             failure: BaseException | None = None
             ended = False  # the inner stream raised StopAsyncIteration
             time_to_first_update: float | None = None
             iterator: Any = None
-            start = perf_counter()
+            start = clock()
             duration = 0.0
 
             # Pre-output phase: create the stream, get its iterator, await the first item.
@@ -143,17 +149,18 @@ class FailoverChatClient(RoutingChatClient):
                 iterator = aiter(
                     client.get_streaming_response(context.messages, context.chat_options)
                 )
+                next_item = iterator.__anext__
             except _FAILURES as exc:
-                duration = perf_counter() - start
+                duration = clock() - start
                 failure = exc
             if failure is None:
                 try:
-                    item = await anext(iterator)
+                    item = await next_item()
                 except StopAsyncIteration:
-                    duration = perf_counter() - start
+                    duration = clock() - start
                     ended = True
                 except _FAILURES as exc:
-                    duration = perf_counter() - start
+                    duration = clock() - start
                     failure = exc
                 except BaseException:
                     await _close_after_interrupt(iterator)
@@ -161,7 +168,7 @@ class FailoverChatClient(RoutingChatClient):
                 else:
                     # Output phase: the commit point is the yield.
                     while True:
-                        duration += perf_counter() - start
+                        duration += clock() - start
                         if time_to_first_update is None:
                             time_to_first_update = duration
                         try:
@@ -171,15 +178,15 @@ class FailoverChatClient(RoutingChatClient):
                         except BaseException as exc:
                             failure = exc  # athrow: S9
                             break
-                        start = perf_counter()
+                        start = clock()
                         try:
-                            item = await anext(iterator)
+                            item = await next_item()
                         except StopAsyncIteration:
-                            duration += perf_counter() - start
+                            duration += clock() - start
                             ended = True
                             break
                         except _FAILURES as exc:
-                            duration += perf_counter() - start
+                            duration += clock() - start
                             failure = exc
                             break
                         except BaseException:
@@ -198,10 +205,7 @@ class FailoverChatClient(RoutingChatClient):
             completed = ended and failure is None
             cancelled = failure is not None and _is_cancelling()
             is_terminal = (
-                completed
-                or committed
-                or cancelled
-                or (limit is not None and attempts >= limit)
+                completed or committed or cancelled or (limit is not None and attempts >= limit)
             )
             await self.on_routing_update(
                 context,

@@ -70,7 +70,9 @@ class OrderedFailoverChatClient(FailoverChatClient):
             raise TypeError("context must not be None")
         if not isinstance(context, RoutingContext):
             raise TypeError(f"context must be a RoutingContext, got {type(context).__name__}")
-        return self._clients[self._positions.get(context, 0)]
+        positions = self._positions
+        # No entry exists until a request's first failure, so most lookups skip the dict.
+        return self._clients[positions.get(context, 0) if positions else 0]
 
     async def on_routing_update(
         self, context: RoutingContext, attempt: FailoverChatClientAttempt, is_terminal: bool
@@ -80,7 +82,8 @@ class OrderedFailoverChatClient(FailoverChatClient):
             raise TypeError("context must not be None")
         positions = self._positions
         if is_terminal:
-            positions.pop(context, None)
+            if positions:
+                positions.pop(context, None)
             return
         following = positions.get(context, 0) + 1
         if following < len(self._clients):

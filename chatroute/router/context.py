@@ -22,7 +22,8 @@ class RoutingContext:
         if messages is None:
             raise TypeError("messages must not be None")
         try:
-            one_shot = iter(messages) is messages
+            iterator: object = iter(messages)
+            one_shot = iterator is messages
         except TypeError:
             raise TypeError("messages must be a sequence of ChatMessage") from None
         if one_shot:
