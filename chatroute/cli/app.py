@@ -1,0 +1,252 @@
+"""The `chatroute` command line: serve, route, classify, fit and index build."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from chatroute.chat.types import ChatMessage, ChatRole
+from chatroute.config import ChatrouteConfig, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from chatroute.cli.classify import BadLine, ClassifyReport
+    from chatroute.index import ProfileIndex
+    from chatroute.server.engine import Engine
+
+__all__ = ["app", "main"]
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="chatroute",
+    help="Semantic routing and failover gateway for OpenAI-compatible LLM APIs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+index_app = typer.Typer(help="Build and manage the persisted profile index.", no_args_is_help=True)
+app.add_typer(index_app, name="index")
+
+
+def _console() -> Console:
+    return Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def note(message: str) -> None:
+    """Print a plain line on stderr (never wrapped, never styled)."""
+    _console().print(message, markup=False)
+
+
+ConfigOption = Annotated[
+    Path,
+    typer.Option("--config", "-c", help="The YAML config file.", show_default=False),
+]
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    _console().print(f"[bold red]error:[/] {escape(message)}")
+    return typer.Exit(code)
+
+
+def _config(path: Path) -> ChatrouteConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _run_engine(config: ChatrouteConfig, work: Callable[[Engine], Awaitable[T]]) -> T:
+    """Build the engine, run `work(engine)` on a fresh event loop, close the engine."""
+    from chatroute.server.engine import build_engine
+
+    async def runner() -> T:
+        engine = build_engine(config)
+        try:
+            await engine.prepare()
+            return await work(engine)
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(runner())
+
+
+@app.command()
+def serve(
+    config: ConfigOption,
+    host: Annotated[
+        str | None, typer.Option(help="Interface to bind (config: server.host).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port to bind (config: server.port).")] = None,
+) -> None:
+    """Run the HTTP service (OpenAI-compatible /v1/chat/completions, /v1/route, /v1/classify)."""
+    import uvicorn
+
+    from chatroute.server import create_app
+
+    settings = _config(config)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    chatroute_logger = logging.getLogger("chatroute")
+    chatroute_logger.addHandler(handler)
+    chatroute_logger.setLevel(settings.server.log_level.upper())
+    chatroute_logger.propagate = False
+    uvicorn.run(
+        create_app(settings),
+        host=host or settings.server.host,
+        port=port if port is not None else settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
+@app.command()
+def route(
+    config: ConfigOption,
+    text: Annotated[str, typer.Argument(help="The user message to route.")],
+) -> None:
+    """Print the route decision for TEXT as JSON (no provider is called)."""
+    settings = _config(config)
+
+    async def work(engine: Engine) -> dict[str, object]:
+        decision = await engine.decide([ChatMessage(ChatRole.USER, text)])
+        return engine.describe(decision, matches=True)
+
+    result = _run_engine(settings, work)
+    typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
+
+
+@app.command()
+def classify(
+    config: ConfigOption,
+    source: Annotated[
+        Path, typer.Argument(help="JSONL input: strings, {'input'} or {'messages'} lines.")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL output (appended).")],
+    batch_size: Annotated[int, typer.Option(min=1, help="Inputs per embedding batch.")] = 256,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Classify every line of SOURCE into OUTPUT; a rerun resumes where OUTPUT stops."""
+    from chatroute.cli.classify import classify_file
+
+    settings = _config(config)
+    if not source.is_file():
+        raise _fail(f"no such input file: {source}")
+    console = _console()
+    bar = Progress(
+        TextColumn("[bold]classify"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not progress,
+    )
+
+    def bad_line(bad: BadLine) -> None:
+        console.print(f"{source}:{bad.line}: skipped: {bad.reason}", markup=False)
+
+    async def work(engine: Engine) -> ClassifyReport:
+        task = bar.add_task("classify", total=source.stat().st_size)
+        with bar:
+            return await classify_file(
+                engine,
+                source,
+                output,
+                batch_size=batch_size,
+                on_progress=lambda n: bar.advance(task, n),
+                on_bad_line=bad_line,
+            )
+
+    report = _run_engine(settings, work)
+    resumed = f" (resumed after line {report.resumed_after})" if report.resumed_after else ""
+    note(
+        f"classified {report.classified} inputs{resumed}; "
+        f"{len(report.bad)} bad lines; output: {output}"
+    )
+
+
+@app.command()
+def fit(
+    config: ConfigOption,
+    labelled: Annotated[
+        Path, typer.Argument(help="JSONL lines {'input' or 'messages', 'route': name or null}.")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Thresholds file to write (default: stdout)."),
+    ] = None,
+    no_route_share: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Weight of 'no route' examples in the fit.")
+    ] = 0.5,
+) -> None:
+    """Fit per-route thresholds on labelled queries; point routing.thresholds_file at them."""
+    from chatroute.cli.fit import fit_file, thresholds_document
+
+    settings = _config(config)
+    if not labelled.is_file():
+        raise _fail(f"no such input file: {labelled}")
+
+    def bad_line(bad: BadLine) -> None:
+        note(f"{labelled}:{bad.line}: skipped: {bad.reason}")
+
+    async def work(engine: Engine) -> tuple[dict[str, object], str, list[str]]:
+        result, notes = await fit_file(
+            engine, labelled, no_route_share=no_route_share, on_bad_line=bad_line
+        )
+        return thresholds_document(engine, result), str(result.report), notes
+
+    try:
+        document, report, notes = _run_engine(settings, work)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    for warning in notes:
+        note(f"warning: {warning}")
+    note(report)
+    text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text, encoding="utf-8")
+        note(f"thresholds written to {output}")
+
+
+@index_app.command("build")
+def index_build(
+    config: ConfigOption,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to save into.")],
+) -> None:
+    """Embed every route utterance and save the profile index (reusing unchanged vectors)."""
+    from chatroute.index import ProfileIndex
+
+    settings = _config(config)
+
+    async def work(engine: Engine) -> ProfileIndex:
+        return await ProfileIndex.load_or_build(output, engine.embedder, engine.profile_entries())
+
+    index = _run_engine(settings, work)
+    note(f"profile index: {len(index)} utterances, dimension {index.dimension}, saved in {output}")
+
+
+def main() -> None:
+    """Entry point of the `chatroute` script."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

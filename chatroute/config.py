@@ -1,0 +1,343 @@
+"""The service configuration: a YAML file validated at start-up, errors naming the key at fault."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
+
+from chatroute.chat.types import ChatOptions
+
+__all__ = [
+    "ChatrouteConfig",
+    "ConfigError",
+    "EmbedderConfig",
+    "ProviderConfig",
+    "ProviderTimeouts",
+    "RouteConfig",
+    "RouteOptions",
+    "RoutingConfig",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+]
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_ENV_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+Name = Annotated[str, StringConstraints(pattern=_NAME_PATTERN)]
+EnvName = Annotated[str, StringConstraints(pattern=_ENV_PATTERN)]
+
+
+def _not_blank(text: str) -> str:
+    if not text or text.isspace():
+        raise ValueError("must not be empty or whitespace")
+    return text
+
+
+Utterance = Annotated[str, AfterValidator(_not_blank)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+RESERVED_MODEL_NAMES = frozenset({"auto"})
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; `problems` lists (key path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  {path or '<root>'}: {message}" for path, message in problems)
+        super().__init__(f"invalid chatroute config{where}:\n{lines}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    """Where the service listens and the limits it enforces on requests."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_keys_env: EnvName = "CHATROUTE_API_KEYS"
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_messages: int = Field(default=1024, ge=1)
+    max_classify_inputs: int = Field(default=2048, ge=1)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+
+class EmbedderConfig(_Strict):
+    """The local sentence-transformer that embeds queries and route utterances."""
+
+    model: str = Field(default="default", min_length=1)
+    device: str = Field(default="auto", min_length=1)
+    dtype: Literal["auto", "fp32", "fp16", "bf16", "float32", "float16", "bfloat16"] = "auto"
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_queue: int | None = Field(default=None, ge=1)
+    tokenizer_threads: int | None = Field(default=None, ge=1)
+
+
+class RoutingConfig(_Strict):
+    """How the semantic router scores routes and where unmatched requests go."""
+
+    top_k: int = Field(default=5, ge=1)
+    aggregation: Literal["mean", "sum", "max"] = "mean"
+    threshold: float = Field(default=0.3, allow_inf_nan=False)
+    default_route: Name
+    thresholds_file: str | None = None
+    index_path: str | None = None
+
+
+class ProviderTimeouts(_Strict):
+    """Time limits of one provider attempt, in seconds (None: no limit)."""
+
+    connect: PositiveSeconds = 5.0
+    read: PositiveSeconds = 300.0
+    write: PositiveSeconds = 30.0
+    pool: PositiveSeconds = 10.0
+    request: PositiveSeconds | None = None
+    first_token: PositiveSeconds | None = None
+    stall: PositiveSeconds | None = None
+
+
+class ProviderConfig(_Strict):
+    """One upstream model endpoint; secrets come only from the environment."""
+
+    type: Literal["openai"] = "openai"
+    base_url: str | None = None
+    base_url_env: EnvName | None = None
+    model: str | None = None
+    model_env: EnvName | None = None
+    api_key_env: EnvName | None = None
+    timeouts: ProviderTimeouts = ProviderTimeouts()
+    max_connections: int = Field(default=100, ge=1)
+    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    context_window: int | None = Field(default=None, ge=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("headers")
+    @classmethod
+    def _no_secret_headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        for key in headers:
+            if key.lower() in {"authorization", "api-key", "x-api-key", "proxy-authorization"}:
+                raise ValueError(f"header {key!r} carries a secret: use api_key_env instead")
+        return headers
+
+    def resolved_base_url(self, environ: Mapping[str, str]) -> str | None:
+        """The base URL: the named environment variable when set, else `base_url`."""
+        if self.base_url_env and environ.get(self.base_url_env):
+            return environ[self.base_url_env]
+        return self.base_url
+
+    def resolved_model(self, environ: Mapping[str, str]) -> str | None:
+        """The model name: the named environment variable when set, else `model`."""
+        if self.model_env and environ.get(self.model_env):
+            return environ[self.model_env]
+        return self.model
+
+
+class RouteOptions(_Strict):
+    """Chat options a route sets on every request it serves (they override the caller's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    max_output_tokens: int | None = Field(default=None, ge=1, alias="max_tokens")
+    stop_sequences: list[str] | None = Field(default=None, alias="stop")
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    instructions: str | None = None
+    reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None
+
+    def apply(self, options: ChatOptions) -> None:
+        """Set every configured field on `options` (a clone owned by the route)."""
+        for name in (
+            "temperature",
+            "top_p",
+            "max_output_tokens",
+            "seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "instructions",
+            "response_format",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(options, name, value)
+        if self.stop_sequences is not None:
+            options.stop_sequences = list(self.stop_sequences)
+        if self.reasoning_effort is not None:
+            options.reasoning = {"effort": self.reasoning_effort}
+        if self.extra_body:
+            extra = dict(options.additional_properties or {})
+            extra.update(self.extra_body)
+            options.additional_properties = extra
+
+    def is_empty(self) -> bool:
+        """True when the route sets nothing."""
+        return not self.model_dump(exclude_none=True)
+
+
+class RouteConfig(_Strict):
+    """A route: example utterances that select it, and the providers tried in order."""
+
+    description: str | None = None
+    utterances: list[Utterance] = Field(default_factory=list)
+    targets: list[Name] = Field(min_length=1)
+    options: RouteOptions = RouteOptions()
+    max_attempts: int | None = Field(default=None, ge=1)
+
+
+class ChatrouteConfig(_Strict):
+    """The whole file: server, embedder, routing, providers and routes."""
+
+    server: ServerConfig = ServerConfig()
+    embedder: EmbedderConfig = EmbedderConfig()
+    routing: RoutingConfig
+    providers: dict[Name, ProviderConfig] = Field(min_length=1)
+    routes: dict[Name, RouteConfig] = Field(min_length=1)
+
+    def check(self, environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+        """Cross-reference checks pydantic cannot express; returns (path, message) pairs."""
+        env = os.environ if environ is None else environ
+        problems: list[tuple[str, str]] = []
+        for name, route in self.routes.items():
+            if name in RESERVED_MODEL_NAMES:
+                problems.append((f"routes.{name}", f"{name!r} is reserved for semantic routing"))
+            for position, target in enumerate(route.targets):
+                if target not in self.providers:
+                    hint = _closest(target, self.providers)
+                    problems.append(
+                        (
+                            f"routes.{name}.targets[{position}]",
+                            f"unknown provider {target!r}{hint}",
+                        )
+                    )
+        default = self.routing.default_route
+        if default not in self.routes:
+            problems.append(
+                (
+                    "routing.default_route",
+                    f"unknown route {default!r}{_closest(default, self.routes)}",
+                )
+            )
+        if not any(route.utterances for route in self.routes.values()):
+            problems.append(("routes", "at least one route needs utterances"))
+        limit = self.routing.top_k if self.routing.aggregation == "sum" else 1
+        if not -limit <= self.routing.threshold <= limit or math.isnan(self.routing.threshold):
+            problems.append(
+                (
+                    "routing.threshold",
+                    f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation",
+                )
+            )
+        for name, provider in self.providers.items():
+            if provider.resolved_base_url(env) is None:
+                problems.append(
+                    (f"providers.{name}.base_url", "required (or set base_url_env in the env)")
+                )
+            if provider.resolved_model(env) is None:
+                problems.append(
+                    (f"providers.{name}.model", "required (or set model_env in the env)")
+                )
+        return problems
+
+
+def _closest(name: str, known: Mapping[str, Any]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", part):
+            path += f".{part}" if path else part
+        else:
+            path += f"[{part!r}]"
+    return path
+
+
+def _pydantic_problems(error: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for item in error.errors(include_url=False, include_input=False):
+        loc = tuple(p for p in item["loc"] if p != "[key]")
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif message.startswith("Value error, "):
+            message = message.removeprefix("Value error, ")
+        problems.append((_format_loc(loc), message))
+    return problems
+
+
+def parse_config(
+    data: object, *, source: str | None = None, environ: Mapping[str, str] | None = None
+) -> ChatrouteConfig:
+    """Validate an already-parsed mapping; raises `ConfigError` naming every key at fault."""
+    if not isinstance(data, Mapping):
+        raise ConfigError([("", "the config must be a mapping")], source)
+    try:
+        config = ChatrouteConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_pydantic_problems(exc), source) from None
+    problems = config.check(environ)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> ChatrouteConfig:
+    """Read and validate a YAML config file; raises `ConfigError` (a ValueError)."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read the file: {exc.strerror or exc}")], str(file))
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([("", f"not valid YAML{where}: {problem}")], str(file)) from None
+    config = parse_config(data, source=str(file), environ=environ)
+    return _resolve_relative_paths(config, file.parent)
+
+
+def _resolve_relative_paths(config: ChatrouteConfig, base: Path) -> ChatrouteConfig:
+    routing = config.routing
+    updates: dict[str, str] = {}
+    for key in ("thresholds_file", "index_path"):
+        value = getattr(routing, key)
+        if value is not None and not Path(value).is_absolute():
+            updates[key] = str(base / value)
+    if not updates:
+        return config
+    return config.model_copy(update={"routing": routing.model_copy(update=updates)})

@@ -1,0 +1,17 @@
+"""The HTTP service: an OpenAI-compatible routing gateway, route/classify APIs, health, metrics."""
+
+from chatroute.server.app import Service, create_app
+from chatroute.server.engine import Engine, build_engine
+from chatroute.server.errors import APIError
+from chatroute.server.tracing import AttemptRecord, RecordingFailoverChatClient, RequestTrace
+
+__all__ = [
+    "APIError",
+    "AttemptRecord",
+    "Engine",
+    "RecordingFailoverChatClient",
+    "RequestTrace",
+    "Service",
+    "build_engine",
+    "create_app",
+]

@@ -1,0 +1,305 @@
+"""The routing engine built from a config: providers, per-route failover chains, semantic router."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from chatroute.chat.client import ChatClient, ConfigureOptionsChatClient
+from chatroute.chat.embedding import EmbeddingGenerator
+from chatroute.chat.types import ChatMessage
+from chatroute.config import ChatrouteConfig, ConfigError, ProviderConfig
+from chatroute.index import ProfileIndex
+from chatroute.router.decision import RouteDecision, ScoreAggregation
+from chatroute.router.semantic import SemanticRoutingChatClient
+from chatroute.server.tracing import RecordingFailoverChatClient
+
+__all__ = [
+    "Engine",
+    "build_embedder",
+    "build_engine",
+    "build_provider",
+    "load_thresholds",
+]
+
+logger = logging.getLogger("chatroute.engine")
+
+
+class Engine:
+    """Everything a config describes, built and wired: what the server and the CLI run on.
+
+    `routes` maps each route name to its client (an ordered failover chain over its
+    providers, wrapped to apply the route's options); `router` is the semantic router over
+    them. The engine owns the providers and the embedding generator and closes them in
+    `aclose()`; the route chains and the semantic router own nothing.
+    """
+
+    def __init__(
+        self,
+        config: ChatrouteConfig,
+        embedder: EmbeddingGenerator,
+        routes: Mapping[str, ChatClient],
+        providers: Mapping[str, ChatClient],
+        provider_models: Mapping[str, str],
+        *,
+        secrets: Sequence[str] = (),
+        route_thresholds: Mapping[str, float] | None = None,
+    ) -> None:
+        self.config = config
+        self.embedder = embedder
+        self.routes: Mapping[str, ChatClient] = dict(routes)
+        self.providers: Mapping[str, ChatClient] = dict(providers)
+        self.provider_models: Mapping[str, str] = dict(provider_models)
+        self.secrets: tuple[str, ...] = tuple(secrets)
+        self.route_thresholds: Mapping[str, float] = dict(route_thresholds or {})
+        self._names = {id(client): name for name, client in self.routes.items()}
+        self._closed = False
+        self.router = self.make_router()
+
+    @property
+    def default_route(self) -> str:
+        """The route that serves requests no profile matches."""
+        return self.config.routing.default_route
+
+    def route_name(self, client: ChatClient) -> str:
+        """The configured name of a route client."""
+        try:
+            return self._names[id(client)]
+        except KeyError:
+            raise RuntimeError(f"{client!r} is not a route of this engine") from None
+
+    def describe(self, decision: RouteDecision, *, matches: bool = False) -> dict[str, Any]:
+        """A decision as JSON-ready data: route name, score, per-route scores, default flag."""
+        body: dict[str, Any] = {
+            "route": self.route_name(decision.client),
+            "score": decision.score,
+            "scores": {self.route_name(c): s for c, s in decision.scores.items()},
+            "is_default": decision.is_default,
+        }
+        if matches:
+            body["matches"] = [
+                {"route": self.route_name(m.client), "utterance": m.utterance, "score": m.score}
+                for m in decision.matches
+            ]
+        return body
+
+    async def decide(self, messages: Sequence[ChatMessage]) -> RouteDecision:
+        """The semantic decision for a conversation (no provider is called)."""
+        return await self.router.route(messages)
+
+    async def decide_batch(self, queries: Sequence[str]) -> list[RouteDecision]:
+        """Decisions for many query texts, as one embedding batch and one search."""
+        return await self.router.route_batch(queries)
+
+    def profile_entries(self) -> list[tuple[str, str]]:
+        """The (route name, utterance) pairs of every route, in the router's profile order."""
+        return [
+            (name, utterance)
+            for name, route in self.config.routes.items()
+            for utterance in route.utterances
+        ]
+
+    def make_router(self, profile_index: ProfileIndex | None = None) -> SemanticRoutingChatClient:
+        """A semantic router over the routes, optionally on a prebuilt profile index."""
+        routing = self.config.routing
+        profiles = {
+            self.routes[name]: list(route.utterances)
+            for name, route in self.config.routes.items()
+            if route.utterances
+        }
+        thresholds = {self.routes[name]: value for name, value in self.route_thresholds.items()}
+        return SemanticRoutingChatClient(
+            self.embedder,
+            profiles,
+            self.routes[routing.default_route],
+            score_threshold=routing.threshold,
+            top_k=routing.top_k,
+            score_aggregation=ScoreAggregation(routing.aggregation),
+            leave_open=True,
+            route_thresholds=thresholds or None,
+            profile_index=profile_index,
+        )
+
+    async def prepare(self) -> None:
+        """Load the persisted profile index when `routing.index_path` is set.
+
+        Only new or changed utterances are embedded, and the index is saved back when it
+        changed. Without an index path the router builds its index on first use.
+        """
+        index_path = self.config.routing.index_path
+        if index_path is not None and self.router.profile_index is None:
+            index = await ProfileIndex.load_or_build(
+                index_path, self.embedder, self.profile_entries()
+            )
+            self.router = self.make_router(index)
+
+    async def warm(self) -> None:
+        """Load the model and build (or load) the profile index now, not on first use."""
+        await self.prepare()
+        await self.router.route_batch(["warm up the router"])
+
+    async def aclose(self) -> None:
+        """Close the providers and the embedding generator; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        first: BaseException | None = None
+        closables: list[ChatClient | EmbeddingGenerator] = [*self.providers.values(), self.embedder]
+        for item in closables:
+            try:
+                await item.aclose()
+            except Exception as exc:
+                logger.warning("closing %s failed: %s", type(item).__name__, type(exc).__name__)
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+def build_embedder(config: ChatrouteConfig) -> EmbeddingGenerator:
+    """The local sentence-transformer the config names."""
+    from chatroute.embedder import SentenceTransformerEmbedder
+
+    settings = config.embedder
+    return SentenceTransformerEmbedder(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_queue=settings.max_queue if settings.max_queue is not None else 100_000,
+        tokenizer_threads=settings.tokenizer_threads,
+    )
+
+
+def build_provider(
+    name: str, settings: ProviderConfig, environ: Mapping[str, str]
+) -> tuple[ChatClient, str, str | None]:
+    """One provider client, its model name, and its API key (None when none is configured)."""
+    from chatroute.providers import OpenAIChatClient
+
+    base_url = settings.resolved_base_url(environ)
+    model = settings.resolved_model(environ)
+    if base_url is None or model is None:  # checked at load time; guards direct use
+        raise ValueError(f"providers.{name}: base_url and model are required")
+    api_key: str | None = None
+    if settings.api_key_env is not None:
+        api_key = environ.get(settings.api_key_env) or None
+        if api_key is None:
+            logger.info(
+                "providers.%s: %s is not set in the environment; requests carry no API key",
+                name,
+                settings.api_key_env,
+            )
+    timeouts = settings.timeouts
+    client = OpenAIChatClient(
+        model,
+        base_url=base_url,
+        api_key=api_key,
+        name=name,
+        connect_timeout=timeouts.connect,
+        read_timeout=timeouts.read,
+        write_timeout=timeouts.write,
+        pool_timeout=timeouts.pool,
+        request_timeout=timeouts.request,
+        first_token_timeout=timeouts.first_token,
+        stall_timeout=timeouts.stall,
+        max_connections=settings.max_connections,
+        default_headers=dict(settings.headers) or None,
+        max_tokens_param=settings.max_tokens_param,
+        extra_body=dict(settings.extra_body) or None,
+        context_window=settings.context_window,
+    )
+    return client, model, api_key
+
+
+def build_engine(
+    config: ChatrouteConfig,
+    *,
+    embedder: EmbeddingGenerator | None = None,
+    providers: Mapping[str, ChatClient] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Engine:
+    """Build the providers, the route chains and the semantic router a config describes.
+
+    Nothing goes over the network and the model is not loaded here; `Engine.warm()` does
+    that. `embedder` replaces the configured generator and `providers` replaces configured
+    providers by name (for custom clients); the engine owns and closes what it is given.
+    """
+    env = os.environ if environ is None else environ
+    problems = config.check(env)
+    if problems:
+        raise ConfigError(problems)
+    given = dict(providers or {})
+    clients: dict[str, ChatClient] = {}
+    models: dict[str, str] = {}
+    secrets: list[str] = []
+    used = {target for route in config.routes.values() for target in route.targets}
+    for name, settings in config.providers.items():
+        if name not in used:
+            continue
+        if name in given:
+            clients[name] = given[name]
+            models[name] = settings.resolved_model(env) or name
+            continue
+        provider, model, key = build_provider(name, settings, env)
+        clients[name] = provider
+        models[name] = model
+        if key:
+            secrets.append(key)
+    names = {client: name for name, client in clients.items()}
+    routes: dict[str, ChatClient] = {}
+    for route_name, route in config.routes.items():
+        chain = RecordingFailoverChatClient(
+            route_name, [clients[t] for t in route.targets], names, leave_open=True
+        )
+        if route.max_attempts is not None:
+            chain.maximum_attempts_per_request = route.max_attempts
+        routes[route_name] = (
+            chain
+            if route.options.is_empty()
+            else ConfigureOptionsChatClient(chain, route.options.apply)
+        )
+    generator = embedder if embedder is not None else build_embedder(config)
+    thresholds = (
+        load_thresholds(config.routing.thresholds_file, config)
+        if config.routing.thresholds_file
+        else None
+    )
+    try:
+        return Engine(
+            config, generator, routes, clients, models, secrets=secrets, route_thresholds=thresholds
+        )
+    except ValueError as exc:  # thresholds out of range for the aggregation
+        raise ConfigError([("routing.thresholds_file", str(exc))]) from None
+
+
+def load_thresholds(path: str, config: ChatrouteConfig) -> dict[str, float]:
+    """Per-route thresholds from a file written by `chatroute fit`; ConfigError if unusable."""
+    where = "routing.thresholds_file"
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([(where, f"cannot read {path}: {exc.strerror or exc}")]) from None
+    except ValueError as exc:
+        raise ConfigError([(where, f"{path} is not valid JSON: {exc}")]) from None
+    table = document.get("thresholds") if isinstance(document, dict) else None
+    if not isinstance(table, dict):
+        raise ConfigError([(where, f"{path} has no 'thresholds' object")])
+    problems: list[tuple[str, str]] = []
+    thresholds: dict[str, float] = {}
+    for name, value in table.items():
+        if name not in config.routes:
+            problems.append((f"{where}.{name}", "unknown route"))
+        elif not config.routes[name].utterances and name != config.routing.default_route:
+            problems.append((f"{where}.{name}", "the route has no utterances"))
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append((f"{where}.{name}", f"not a number: {value!r}"))
+        else:
+            thresholds[name] = float(value)
+    if problems:
+        raise ConfigError(problems)
+    return thresholds

@@ -1,0 +1,439 @@
+"""The OpenAI chat wire format: request models, and conversions to and from chatroute's types."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from chatroute.chat.types import (
+    ChatMessage,
+    ChatOptions,
+    ChatResponse,
+    ChatResponseUpdate,
+    ChatRole,
+    Content,
+    FunctionCallContent,
+    FunctionResultContent,
+    TextContent,
+    TextReasoningContent,
+    UsageDetails,
+)
+from chatroute.server.errors import APIError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ClassifyRequest",
+    "RouteRequest",
+    "StreamEncoder",
+    "WireMessage",
+    "completion_body",
+    "has_content",
+    "query_text",
+    "to_chat_messages",
+    "to_chat_options",
+]
+
+_ROLES = {
+    "system": ChatRole.SYSTEM,
+    "developer": ChatRole.SYSTEM,
+    "user": ChatRole.USER,
+    "assistant": ChatRole.ASSISTANT,
+    "tool": ChatRole.TOOL,
+}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(_Lenient):
+    """One part of a message's content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(_Lenient):
+    """The function a tool call names, and its JSON arguments."""
+
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Lenient):
+    """A tool call an assistant message made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class WireMessage(_Lenient):
+    """A chat message as the OpenAI API sends it."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Lenient):
+    """A function a model may call."""
+
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    """A tool offered to the model."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class StreamOptions(_Lenient):
+    """Options of a streamed answer."""
+
+    include_usage: bool | None = None
+
+
+Temperature = Annotated[float, Field(ge=0, le=2)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class ChatCompletionRequest(_Strict):
+    """The body of `POST /v1/chat/completions`."""
+
+    model: str | None = None
+    messages: list[WireMessage] = Field(min_length=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: int | None = None
+    user: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logit_bias: dict[str, float] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class RouteRequest(_Strict):
+    """The body of `POST /v1/route`: a text or a conversation."""
+
+    input: str | None = None
+    messages: list[WireMessage] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> RouteRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'input' or 'messages'")
+        return self
+
+
+class ConversationInput(_Strict):
+    """One classify input given as a conversation."""
+
+    messages: list[WireMessage]
+
+
+class ClassifyRequest(_Strict):
+    """The body of `POST /v1/classify`: texts or conversations, classified as one batch."""
+
+    inputs: list[str | ConversationInput]
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _message_text(message: WireMessage, position: int) -> str | None:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    pieces = []
+    for index, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"content part type {part.type!r} is not supported; only text parts are",
+                param=f"messages[{position}].content[{index}]",
+                code="unsupported_content",
+            )
+        pieces.append(part.text)
+    return "".join(pieces)
+
+
+def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -> list[ChatMessage]:
+    """Convert wire messages; roles are mapped (`developer` becomes system)."""
+    out: list[ChatMessage] = []
+    for position, message in enumerate(wire):
+        param = f"{prefix}[{position}]"
+        text = _message_text(message, position)
+        role = _ROLES[message.role]
+        contents: list[Content] = []
+        if role is ChatRole.TOOL:
+            if not message.tool_call_id:
+                raise APIError(400, f"{param}: a tool message needs tool_call_id", param=param)
+            contents.append(FunctionResultContent(message.tool_call_id, text or ""))
+            out.append(ChatMessage(role, contents=contents, author_name=message.name))
+            continue
+        if text:
+            contents.append(TextContent(text))
+        if message.tool_calls:
+            if role is not ChatRole.ASSISTANT:
+                raise APIError(
+                    400, f"{param}: only assistant messages carry tool_calls", param=param
+                )
+            for index, call in enumerate(message.tool_calls):
+                contents.append(
+                    FunctionCallContent(call.id, call.function.name, call.function.arguments, index)
+                )
+        if text is None and not message.tool_calls:
+            raise APIError(400, f"{param}: content is required", param=f"{param}.content")
+        out.append(ChatMessage(role, contents=contents, author_name=message.name))
+    return out
+
+
+def query_text(messages: Sequence[ChatMessage]) -> str:
+    """The text the semantic router reads: the last user message's text ('' when none)."""
+    for message in reversed(messages):
+        if message.role is ChatRole.USER:
+            return message.text
+    return ""
+
+
+_PASSTHROUGH = (
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "verbosity",
+    "prediction",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
+
+def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
+    """The chat options a request asks for; the `model` field is left to the route."""
+    options = ChatOptions(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        max_output_tokens=request.max_completion_tokens or request.max_tokens,
+        seed=request.seed,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        user=request.user,
+        tool_choice=request.tool_choice,
+        response_format=request.response_format,
+    )
+    if request.stop is not None:
+        options.stop_sequences = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.tools is not None:
+        options.tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    if request.reasoning_effort is not None:
+        options.reasoning = {"effort": request.reasoning_effort}
+    extra = {
+        name: getattr(request, name) for name in _PASSTHROUGH if getattr(request, name) is not None
+    }
+    if extra:
+        options.additional_properties = extra
+    return options
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def _finish(reason: object) -> str | None:
+    if reason is None:
+        return None
+    value = getattr(reason, "value", reason)
+    return str(value)
+
+
+def usage_body(usage: UsageDetails) -> dict[str, Any]:
+    """OpenAI's usage object."""
+    prompt = usage.input_token_count or 0
+    completion = usage.output_token_count or 0
+    total = usage.total_token_count if usage.total_token_count is not None else prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+def _tool_call(call: FunctionCallContent) -> dict[str, Any]:
+    return {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def completion_body(response: ChatResponse, *, model: str, created: int | None = None) -> bytes:
+    """The JSON body of a non-streamed chat completion."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for message in response.messages:
+        for content in message.contents:
+            if isinstance(content, TextContent):
+                text.append(content.text)
+            elif isinstance(content, TextReasoningContent):
+                reasoning.append(content.text)
+            elif isinstance(content, FunctionCallContent):
+                calls.append(_tool_call(content))
+    message_body: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if reasoning:
+        message_body["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message_body["tool_calls"] = calls
+    finish = _finish(response.finish_reason) or ("tool_calls" if calls else "stop")
+    body: dict[str, Any] = {
+        "id": response.response_id or _new_id(),
+        "object": "chat.completion",
+        "created": created or int(response.created_at or time.time()),
+        "model": response.model_id or model,
+        "choices": [{"index": 0, "message": message_body, "finish_reason": finish}],
+    }
+    if response.usage is not None:
+        body["usage"] = usage_body(response.usage)
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def has_content(update: ChatResponseUpdate) -> bool:
+    """Whether an update carries output: text, reasoning, a tool call or a finish reason."""
+    if update.finish_reason is not None:
+        return True
+    for content in update.contents:
+        if isinstance(content, TextContent | TextReasoningContent):
+            if content.text:
+                return True
+        elif isinstance(content, FunctionCallContent):
+            return True
+    return False
+
+
+class StreamEncoder:
+    """Turns a stream of updates into OpenAI `chat.completion.chunk` SSE events."""
+
+    def __init__(self, *, model: str, include_usage: bool) -> None:
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.response_id: str | None = None
+        self.usage: UsageDetails | None = None
+        self._role_sent = False
+        self._tool_indices: dict[str, int] = {}
+
+    def _chunk(self, choices: list[dict[str, Any]], model: str | None) -> dict[str, Any]:
+        if self.response_id is None:
+            self.response_id = _new_id()
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": model or self.model,
+            "choices": choices,
+        }
+
+    def _tool_index(self, call: FunctionCallContent) -> int:
+        if call.index is not None:
+            return call.index
+        key = call.call_id or ""
+        if key not in self._tool_indices:
+            self._tool_indices[key] = len(self._tool_indices)
+        return self._tool_indices[key]
+
+    def encode(self, update: ChatResponseUpdate) -> bytes:
+        """The SSE event(s) for one update (empty bytes when it carries nothing to send)."""
+        if self.response_id is None and update.response_id:
+            self.response_id = update.response_id
+        if update.model_id:
+            self.model = update.model_id
+        if update.usage is not None:
+            self.usage = update.usage
+        delta: dict[str, Any] = {}
+        text = []
+        reasoning = []
+        calls = []
+        for content in update.contents:
+            if isinstance(content, TextContent):
+                text.append(content.text)
+            elif isinstance(content, TextReasoningContent):
+                reasoning.append(content.text)
+            elif isinstance(content, FunctionCallContent):
+                call: dict[str, Any] = {"index": self._tool_index(content)}
+                if content.call_id is not None:
+                    call["id"] = content.call_id
+                    call["type"] = "function"
+                function: dict[str, Any] = {}
+                if content.name is not None:
+                    function["name"] = content.name
+                function["arguments"] = content.arguments
+                call["function"] = function
+                calls.append(call)
+        if text:
+            delta["content"] = "".join(text)
+        if reasoning:
+            delta["reasoning_content"] = "".join(reasoning)
+        if calls:
+            delta["tool_calls"] = calls
+        finish = _finish(update.finish_reason)
+        if not self._role_sent:
+            if not delta and finish is None:
+                return b""
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        elif not delta and finish is None:
+            return b""
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return _sse(self._chunk([choice], update.model_id))
+
+    def finish(self) -> bytes:
+        """The closing events: the usage chunk when asked for, then `[DONE]`."""
+        out = b""
+        if self.include_usage and self.usage is not None:
+            chunk = self._chunk([], None)
+            chunk["usage"] = usage_body(self.usage)
+            out += _sse(chunk)
+        return out + b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,234 @@
+"""Config loading and validation: errors name the key at fault; the engine is built from it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatroute.chat import ChatOptions, ConfigureOptionsChatClient
+from chatroute.config import ConfigError, load_config, parse_config
+from chatroute.server import RecordingFailoverChatClient, build_engine
+from chatroute.server.engine import load_thresholds
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chatroute.yaml"
+
+
+def base() -> dict[str, Any]:
+    return {
+        "embedder": {"model": "default", "device": "auto"},
+        "routing": {
+            "top_k": 5,
+            "aggregation": "mean",
+            "threshold": 0.3,
+            "default_route": "general",
+        },
+        "providers": {
+            "fast": {
+                "type": "openai",
+                "base_url": "http://127.0.0.1:9001/v1",
+                "model": "small-model",
+                "api_key_env": "FAST_API_KEY",
+            },
+            "strong": {"type": "openai", "base_url": "http://127.0.0.1:9002/v1", "model": "big"},
+        },
+        "routes": {
+            "code": {
+                "utterances": ["fix this bug", "write a function that"],
+                "targets": ["fast", "strong"],
+                "options": {"temperature": 0.2},
+            },
+            "general": {"targets": ["strong"]},
+        },
+    }
+
+
+def problems(data: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, environ=environ or {})
+    assert isinstance(caught.value, ValueError)
+    return [f"{path}: {message}" for path, message in caught.value.problems]
+
+
+def test_the_issue_example_shape_is_valid() -> None:
+    config = parse_config(base(), environ={})
+    assert config.routing.default_route == "general"
+    assert config.routes["code"].options.temperature == 0.2
+    assert config.server.max_body_bytes == 1_048_576  # defaults fill the rest
+
+
+def test_the_bundled_example_loads() -> None:
+    config = load_config(EXAMPLE, environ={})
+    assert set(config.routes) >= {"code", "math", "writing", "support", "general"}
+    assert all(len(r.utterances) >= 8 for r in config.routes.values())
+    assert config.embedder.model == "default"
+
+
+def test_unknown_provider_is_named_with_its_path() -> None:
+    data = base()
+    data["routes"]["code"]["targets"] = ["fast", "strongg"]
+    assert problems(data) == [
+        "routes.code.targets[1]: unknown provider 'strongg' (did you mean 'strong'?)"
+    ]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = base()
+    data["routing"]["default_route"] = "nowhere"
+    data["routes"]["code"]["utterances"] = ["ok", "   "]
+    data["routes"]["code"]["options"]["temprature"] = 1
+    data["providers"]["fast"]["timeouts"] = {"connect": -1}
+    found = problems(data)
+    assert "routes.code.utterances[1]: must not be empty or whitespace" in found
+    assert "routes.code.options.temprature: unknown key" in found
+    assert any(p.startswith("providers.fast.timeouts.connect:") for p in found)
+    # Cross-reference checks run only once the shape is valid.
+    data = base()
+    data["routing"]["default_route"] = "nowhere"
+    assert problems(data) == ["routing.default_route: unknown route 'nowhere'"]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda d: d.pop("routing"), "routing: Field required"),
+        (lambda d: d.update(providers={}), "providers: Dictionary should have at least 1 item"),
+        (lambda d: d["routes"]["code"].update(targets=[]), "routes.code.targets: List should"),
+        (lambda d: d["routing"].update(aggregation="median"), "routing.aggregation: Input"),
+        (lambda d: d["routing"].update(threshold=1.5), "routing.threshold: must lie in [-1, 1]"),
+        (lambda d: d["routing"].update(top_k=0), "routing.top_k: Input should be greater"),
+        (lambda d: d["routes"].update(auto={"targets": ["fast"]}), "routes.auto: 'auto' is"),
+        (
+            lambda d: d["routes"].update({"bad name!": {"targets": ["fast"]}}),
+            "routes['bad name!']: String should match pattern",
+        ),
+        (lambda d: d["providers"]["fast"].update(type="grpc"), "providers.fast.type"),
+        (lambda d: d["providers"]["fast"].pop("model"), "providers.fast.model: required"),
+        (
+            lambda d: d["providers"]["fast"].update(headers={"Authorization": "Bearer x"}),
+            "carries a secret",
+        ),
+        (lambda d: d["providers"]["fast"].update(api_key="sk-x"), "providers.fast.api_key"),
+        (lambda d: d.update(extra=1), "extra: unknown key"),
+        (
+            lambda d: (
+                d["routes"]["code"].update(utterances=[])
+                or d["routes"].pop("general")
+                or d["routing"].update(default_route="code")
+            ),
+            "routes: at least one route needs utterances",
+        ),
+    ],
+)
+def test_invalid_configs_name_the_key(change: Any, expected: str) -> None:
+    data = base()
+    change(data)
+    found = problems(data)
+    assert any(expected in p for p in found), found
+
+
+def test_sum_aggregation_allows_thresholds_up_to_top_k() -> None:
+    data = base()
+    data["routing"].update(aggregation="sum", threshold=2.5, top_k=3)
+    assert parse_config(data, environ={}).routing.threshold == 2.5
+
+
+def test_yaml_errors_and_missing_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routing: {top_k: 5\nproviders: [", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path / "missing.yaml")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(scalar)
+
+
+def test_environment_overrides_base_url_and_model() -> None:
+    data = base()
+    data["providers"]["strong"] = {"base_url_env": "STRONG_URL", "model_env": "STRONG_MODEL"}
+    assert problems(data) == [
+        "providers.strong.base_url: required (or set base_url_env in the env)",
+        "providers.strong.model: required (or set model_env in the env)",
+    ]
+    env = {"STRONG_URL": "http://10.0.0.1:8000/v1", "STRONG_MODEL": "qwen"}
+    config = parse_config(data, environ=env)
+    provider = config.providers["strong"]
+    assert provider.resolved_base_url(env) == "http://10.0.0.1:8000/v1"
+    assert provider.resolved_model(env) == "qwen"
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
+    data = base()
+    data["routing"]["index_path"] = "idx"
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(data), encoding="utf-8")  # JSON is YAML
+    assert load_config(path, environ={}).routing.index_path == str(tmp_path / "idx")
+
+
+def test_route_options_apply_on_a_clone_and_accept_openai_names() -> None:
+    data = base()
+    data["routes"]["code"]["options"] = {
+        "temperature": 0.1,
+        "max_tokens": 256,
+        "stop": ["###"],
+        "reasoning_effort": "high",
+        "extra_body": {"top_k": 20},
+    }
+    options = parse_config(data, environ={}).routes["code"].options
+    target = ChatOptions(temperature=0.9, additional_properties={"user_flag": 1})
+    options.apply(target)
+    assert target.temperature == 0.1 and target.max_output_tokens == 256
+    assert target.stop_sequences == ["###"]
+    assert target.reasoning == {"effort": "high"}
+    assert target.additional_properties == {"user_flag": 1, "top_k": 20}
+
+
+def test_engine_builds_chains_wrappers_and_router() -> None:
+    config = parse_config(base(), environ={})
+    env = {"FAST_API_KEY": "sk-fast-000000"}
+    engine = build_engine(config, environ=env, embedder=_NoEmbedder())
+    try:
+        code, general = engine.routes["code"], engine.routes["general"]
+        assert isinstance(code, ConfigureOptionsChatClient)  # the route has options
+        chain = code.inner
+        assert isinstance(chain, RecordingFailoverChatClient)
+        assert [chain.provider_name(c) for c in chain.clients] == ["fast", "strong"]
+        assert isinstance(general, RecordingFailoverChatClient)
+        assert engine.router.default_client is general
+        assert engine.route_name(code) == "code"
+        assert engine.provider_models == {"fast": "small-model", "strong": "big"}
+        assert engine.secrets == ("sk-fast-000000",)
+        assert [engine.route_name(c) for c in engine.router.clients] == ["general", "code"]
+    finally:
+        asyncio.run(engine.aclose())
+
+
+def test_thresholds_file_is_checked(tmp_path: Path) -> None:
+    config = parse_config(base(), environ={})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"thresholds": {"code": 0.4, "nope": 0.1}}), encoding="utf-8")
+    with pytest.raises(ConfigError, match="nope: unknown route"):
+        load_thresholds(str(path), config)
+    path.write_text(json.dumps({"thresholds": {"code": 0.4}}), encoding="utf-8")
+    assert load_thresholds(str(path), config) == {"code": 0.4}
+    path.write_text("[]", encoding="utf-8")
+    with pytest.raises(ConfigError, match="no 'thresholds' object"):
+        load_thresholds(str(path), config)
+
+
+class _NoEmbedder:
+    """An embedding generator that is never asked for vectors in these tests."""
+
+    fingerprint = None
+
+    async def generate(self, values: Any) -> Any:
+        raise AssertionError("not expected to embed")
+
+    async def aclose(self) -> None:
+        pass
