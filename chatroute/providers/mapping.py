@@ -1,0 +1,486 @@
+"""Conversions between chatroute chat types and the OpenAI chat-completions wire format."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from chatroute.chat.types import (
+    ChatFinishReason,
+    ChatMessage,
+    ChatOptions,
+    ChatResponse,
+    ChatResponseUpdate,
+    ChatRole,
+    Content,
+    FunctionCallContent,
+    FunctionResultContent,
+    TextContent,
+    TextReasoningContent,
+    UsageDetails,
+)
+
+__all__ = [
+    "build_request",
+    "finish_reason_from_openai",
+    "message_from_openai",
+    "messages_from_openai",
+    "messages_to_openai",
+    "response_from_openai",
+    "tool_to_openai",
+    "update_from_openai_chunk",
+    "usage_from_openai",
+]
+
+MaxTokensParam = Literal["max_tokens", "max_completion_tokens"]
+
+_FINISH = {
+    "stop": ChatFinishReason.STOP,
+    "length": ChatFinishReason.LENGTH,
+    "tool_calls": ChatFinishReason.TOOL_CALLS,
+    "function_call": ChatFinishReason.TOOL_CALLS,
+    "content_filter": ChatFinishReason.CONTENT_FILTER,
+}
+_TOOL_CHOICE_WORDS = frozenset({"auto", "none", "required"})
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    """A plain dict from a mapping or a pydantic model (the SDK's objects)."""
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    dump = getattr(obj, "model_dump", None)
+    if callable(dump):
+        result = dump(exclude_none=False)
+        if isinstance(result, dict):
+            return result
+    raise TypeError(f"expected a mapping or a pydantic model, got {type(obj).__name__}")
+
+
+def _result_text(result: Any) -> str:
+    if result is None:
+        return ""
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def messages_to_openai(
+    messages: Sequence[ChatMessage],
+    *,
+    instructions: str | None = None,
+    send_reasoning: bool = True,
+) -> list[dict[str, Any]]:
+    """The OpenAI `messages` array for chatroute messages.
+
+    Text parts are joined; an assistant's `FunctionCallContent`s become `tool_calls` and its
+    `TextReasoningContent` becomes `reasoning_content` (unless `send_reasoning` is False);
+    every `FunctionResultContent` becomes its own `tool` message. `instructions` is
+    prepended as a system message. `author_name` becomes `name`; `additional_properties`
+    are merged into the message object.
+    """
+    if messages is None:
+        raise TypeError("messages must not be None")
+    out: list[dict[str, Any]] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
+        text = "".join(c.text for c in message.contents if isinstance(c, TextContent))
+        reasoning = "".join(c.text for c in message.contents if isinstance(c, TextReasoningContent))
+        calls = [c for c in message.contents if isinstance(c, FunctionCallContent)]
+        results = [c for c in message.contents if isinstance(c, FunctionResultContent)]
+        extra = dict(message.additional_properties or {})
+
+        if message.role is ChatRole.TOOL or (results and not text and not calls):
+            if not results:
+                entry: dict[str, Any] = {"role": "tool", "content": text}
+                entry.update(extra)
+                out.append(entry)
+            for result in results:
+                entry = {
+                    "role": "tool",
+                    "tool_call_id": result.call_id,
+                    "content": _result_text(result.result),
+                }
+                entry.update(extra)
+                out.append(entry)
+            continue
+
+        entry = {"role": message.role.value}
+        if message.role is ChatRole.ASSISTANT:
+            entry["content"] = text if (text or not calls) else None
+            if calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": call.call_id or f"call_{n}",
+                        "type": "function",
+                        "function": {"name": call.name or "", "arguments": call.arguments or ""},
+                    }
+                    for n, call in enumerate(calls)
+                ]
+            if reasoning and send_reasoning:
+                entry["reasoning_content"] = reasoning
+        else:
+            entry["content"] = text
+        if message.author_name:
+            entry["name"] = message.author_name
+        entry.update(extra)
+        out.append(entry)
+        for result in results:
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": result.call_id,
+                    "content": _result_text(result.result),
+                }
+            )
+    return out
+
+
+def tool_to_openai(tool: Any) -> dict[str, Any]:
+    """An OpenAI tool definition from a dict or an object with name/description/parameters.
+
+    Accepted: an OpenAI tool (`{"type": "function", "function": {...}}`), a bare function
+    definition (`{"name", "description", "parameters"}`), or any object with `name` and
+    optional `description` / `parameters` attributes.
+    """
+    if isinstance(tool, Mapping):
+        if "type" in tool:
+            return dict(tool)
+        if "name" in tool:
+            return {"type": "function", "function": dict(tool)}
+        raise ValueError(f"a tool dict needs 'type' or 'name': {sorted(tool)}")
+    name = getattr(tool, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"cannot turn {type(tool).__name__} into an OpenAI tool (no name)")
+    function: dict[str, Any] = {"name": name}
+    description = getattr(tool, "description", None)
+    if description:
+        function["description"] = description
+    parameters = getattr(tool, "parameters", None)
+    if callable(parameters):
+        parameters = parameters()
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        if choice in _TOOL_CHOICE_WORDS:
+            return choice
+        return {"type": "function", "function": {"name": choice}}
+    if isinstance(choice, Mapping):
+        return dict(choice)
+    raise TypeError(f"tool_choice must be a str or a dict, got {type(choice).__name__}")
+
+
+def _response_format(fmt: Any) -> Any:
+    if isinstance(fmt, str):
+        if fmt not in ("text", "json_object"):
+            raise ValueError(f"response_format string must be 'text' or 'json_object': {fmt!r}")
+        return {"type": fmt}
+    if isinstance(fmt, Mapping):
+        return dict(fmt)
+    schema = getattr(fmt, "model_json_schema", None)
+    if isinstance(fmt, type) and callable(schema):
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.__name__, "schema": schema()},
+        }
+    raise TypeError(f"response_format must be a str, a dict or a pydantic model class, got {fmt!r}")
+
+
+def build_request(
+    messages: Sequence[ChatMessage],
+    options: ChatOptions | None,
+    *,
+    default_model: str | None,
+    stream: bool,
+    max_tokens_param: MaxTokensParam = "max_tokens",
+    include_usage: bool = True,
+    send_reasoning: bool = True,
+    extra_body: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON body of a chat-completions request.
+
+    `options.model_id` overrides `default_model`; `max_output_tokens` goes out as
+    `max_tokens_param`; `reasoning` (an effort string, or a dict with "effort") becomes
+    `reasoning_effort`; `additional_properties` are passed through last and win.
+    """
+    opts = options if options is not None else ChatOptions()
+    model = opts.model_id or default_model
+    if not model:
+        raise ValueError("no model: set the provider's model or ChatOptions.model_id")
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages_to_openai(
+            messages, instructions=opts.instructions, send_reasoning=send_reasoning
+        ),
+    }
+    if not body["messages"]:
+        raise ValueError("messages must not be empty")
+    simple: dict[str, Any] = {
+        "temperature": opts.temperature,
+        "top_p": opts.top_p,
+        "seed": opts.seed,
+        "user": opts.user,
+        "frequency_penalty": opts.frequency_penalty,
+        "presence_penalty": opts.presence_penalty,
+    }
+    body.update({k: v for k, v in simple.items() if v is not None})
+    if opts.max_output_tokens is not None:
+        body[max_tokens_param] = opts.max_output_tokens
+    if opts.stop_sequences:
+        body["stop"] = list(opts.stop_sequences)
+    if opts.tools:
+        body["tools"] = [tool_to_openai(t) for t in opts.tools]
+    if opts.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(opts.tool_choice)
+    if opts.response_format is not None:
+        body["response_format"] = _response_format(opts.response_format)
+    if opts.reasoning is not None:
+        effort = opts.reasoning.get("effort") if isinstance(opts.reasoning, Mapping) else None
+        body["reasoning_effort"] = effort if effort is not None else opts.reasoning
+    if stream:
+        body["stream"] = True
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+    if extra_body:
+        body.update(extra_body)
+    if opts.additional_properties:
+        body.update(opts.additional_properties)
+    return body
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def finish_reason_from_openai(reason: str | None) -> ChatFinishReason | str | None:
+    """The chatroute finish reason; unknown strings are kept as they are."""
+    if reason is None:
+        return None
+    if not isinstance(reason, str):
+        raise ValueError(f"finish_reason must be a string, got {type(reason).__name__}")
+    return _FINISH.get(reason, reason)
+
+
+def usage_from_openai(usage: Any) -> UsageDetails | None:
+    """UsageDetails from an OpenAI usage object; integer details go to `additional_counts`."""
+    if usage is None:
+        return None
+    data = _as_dict(usage)
+    extra: dict[str, int] = {}
+    for key, value in data.items():
+        if key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            continue
+        if isinstance(value, Mapping):
+            for sub, count in value.items():
+                if isinstance(count, int) and not isinstance(count, bool):
+                    extra[sub] = count
+        elif isinstance(value, int) and not isinstance(value, bool):
+            extra[key] = value
+    return UsageDetails(
+        input_token_count=data.get("prompt_tokens"),
+        output_token_count=data.get("completion_tokens"),
+        total_token_count=data.get("total_tokens"),
+        additional_counts=extra,
+    )
+
+
+def _reasoning_of(obj: Mapping[str, Any]) -> str | None:
+    for key in ("reasoning_content", "reasoning"):
+        value = obj.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
+    contents: list[Content] = []
+    reasoning = _reasoning_of(data)
+    if reasoning:
+        contents.append(TextReasoningContent(reasoning))
+    text = data.get("content")
+    if isinstance(text, str) and text:
+        contents.append(TextContent(text))
+    elif isinstance(text, list):
+        joined = "".join(part.get("text", "") for part in text if isinstance(part, Mapping))
+        if joined:
+            contents.append(TextContent(joined))
+    for n, call in enumerate(data.get("tool_calls") or []):
+        call = _as_dict(call)
+        function = _as_dict(call.get("function"))
+        index = call.get("index")
+        contents.append(
+            FunctionCallContent(
+                call_id=call.get("id"),
+                name=function.get("name"),
+                arguments=function.get("arguments") or "",
+                index=index if isinstance(index, int) else (None if streaming else n),
+            )
+        )
+    legacy = data.get("function_call")
+    if legacy:
+        function = _as_dict(legacy)
+        contents.append(
+            FunctionCallContent(
+                call_id=None,
+                name=function.get("name"),
+                arguments=function.get("arguments") or "",
+                index=0,
+            )
+        )
+    return contents
+
+
+def message_from_openai(message: Any) -> ChatMessage:
+    """A ChatMessage from an OpenAI message (dict or SDK object), any role."""
+    data = _as_dict(message)
+    role = data.get("role") or "assistant"
+    if role == "developer":
+        role = "system"
+    try:
+        chat_role = ChatRole(role)
+    except ValueError:
+        raise ValueError(f"unknown message role {role!r}") from None
+    if chat_role is ChatRole.TOOL:
+        call_id = data.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ValueError("a tool message needs a string tool_call_id")
+        content = data.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        return ChatMessage(ChatRole.TOOL, contents=[FunctionResultContent(call_id, content)])
+    contents = _contents_of(data, streaming=False)
+    extra: dict[str, Any] = {}
+    if data.get("refusal"):
+        extra["refusal"] = data["refusal"]
+    name = data.get("name")
+    return ChatMessage(
+        chat_role,
+        contents=contents,
+        author_name=name if isinstance(name, str) else None,
+        additional_properties=extra or None,
+    )
+
+
+def messages_from_openai(messages: Sequence[Any]) -> list[ChatMessage]:
+    """ChatMessages from an OpenAI `messages` array."""
+    return [message_from_openai(m) for m in messages]
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A dict from a decoded JSON object or an SDK model (extra fields included)."""
+    if isinstance(obj, dict):
+        return obj
+    data = _as_dict(obj)
+    extra = getattr(obj, "model_extra", None)
+    if isinstance(extra, Mapping):
+        data.update(extra)
+    return data
+
+
+def _first_choice(data: Mapping[str, Any]) -> dict[str, Any] | None:
+    choices = data.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list):
+        raise ValueError("'choices' is not a list")
+    if not choices:
+        return None
+    choice = choices[0]
+    if not isinstance(choice, Mapping):
+        choice = _plain(choice)
+    return dict(choice)
+
+
+def _created(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
+    """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
+
+    Only the first choice is read. Raises ValueError when it is not a chat completion.
+    """
+    data = _plain(completion)
+    choice = _first_choice(data)
+    if choice is None:
+        raise ValueError("the completion has no choices")
+    message_data = choice.get("message")
+    if not isinstance(message_data, Mapping):
+        message_data = _plain(message_data) if message_data is not None else None
+    if message_data is None:
+        raise ValueError("the first choice has no message")
+    message = message_from_openai(message_data)
+    props: dict[str, Any] = {}
+    if provider is not None:
+        props["provider"] = provider
+    fingerprint = data.get("system_fingerprint")
+    if fingerprint:
+        props["system_fingerprint"] = fingerprint
+    return ChatResponse(
+        messages=[message],
+        model_id=_str_or_none(data.get("model")),
+        finish_reason=finish_reason_from_openai(choice.get("finish_reason")),
+        usage=usage_from_openai(data.get("usage")),
+        response_id=_str_or_none(data.get("id")),
+        created_at=_created(data.get("created")),
+        raw_representation=completion,
+        additional_properties=props or None,
+    )
+
+
+def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> ChatResponseUpdate:
+    """A ChatResponseUpdate from one streamed chunk (decoded JSON or SDK object).
+
+    Only the first choice is read; a chunk without choices (usage, prompt filter results)
+    gives an update with no contents. Raises ValueError on a malformed chunk.
+    """
+    data = _plain(chunk)
+    choice = _first_choice(data)
+    role: ChatRole | None = None
+    contents: list[Content] = []
+    finish: ChatFinishReason | str | None = None
+    if choice is not None:
+        delta = choice.get("delta")
+        if delta is None:
+            delta = {}
+        elif not isinstance(delta, Mapping):
+            delta = _plain(delta)
+        raw_role = delta.get("role")
+        if raw_role:
+            try:
+                role = ChatRole(raw_role)
+            except ValueError:
+                role = ChatRole.ASSISTANT
+        contents = _contents_of(delta, streaming=True)
+        finish = finish_reason_from_openai(choice.get("finish_reason"))
+    return ChatResponseUpdate(
+        role=role,
+        contents=contents,
+        finish_reason=finish,
+        model_id=_str_or_none(data.get("model")),
+        response_id=_str_or_none(data.get("id")),
+        usage=usage_from_openai(data.get("usage")),
+        created_at=_created(data.get("created")),
+        raw_representation=chunk,
+        additional_properties={"provider": provider} if provider is not None else None,
+    )
