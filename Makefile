@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test lint typecheck bench bench-core clean
+.PHONY: install run demo test lint typecheck bench bench-core bench-routing clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/chatroute serve --config examples/chatroute.yaml
+
+demo: $(STAMP)
 	$(BIN)/python -m chatroute.demo
 
 lint: $(STAMP)
@@ -34,8 +37,25 @@ typecheck: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
 
+# The benchmarks run in their own environment: the bench extra brings semantic-router
+# 1.1.1 (compared side by side), whose pins differ from the service's newest openai.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(BENCH_VENV)/bin/pip install --quiet -e ".[bench]"
+	touch $(BENCH_STAMP)
+
 bench-core: $(STAMP)
 	$(BIN)/python bench/failover_overhead.py
 
+bench-routing: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/routing_clinc150.py
+
+bench: bench-core bench-routing
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache

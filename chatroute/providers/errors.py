@@ -13,8 +13,9 @@ from enum import StrEnum
 from typing import Any
 
 import httpx
-import httpx2
 import openai
+
+from chatroute.providers._http import http
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -384,13 +385,13 @@ _STATUS_CLASSES: Mapping[FailureKind, type[ProviderStatusError]] = {
 _TIMEOUT_TYPES: tuple[type[BaseException], ...] = (
     TimeoutError,
     httpx.TimeoutException,
-    httpx2.TimeoutException,
+    http.TimeoutException,
     openai.APITimeoutError,
 )
 _TRANSPORT_TYPES: tuple[type[BaseException], ...] = (
     openai.APIConnectionError,
     httpx.TransportError,
-    httpx2.TransportError,
+    http.TransportError,
     ConnectionError,
 )
 

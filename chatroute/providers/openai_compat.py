@@ -12,7 +12,6 @@ import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import httpx2
 import openai
 
 from chatroute.chat.client import ChatClient
@@ -27,6 +26,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
+from chatroute.providers._http import http
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
     MalformedResponseError,
@@ -50,19 +50,19 @@ __all__ = ["OpenAIChatClient"]
 _log = logging.getLogger(__name__)
 
 
-_OPENED: contextvars.ContextVar[list[httpx2.Response] | None] = contextvars.ContextVar(
+_OPENED: contextvars.ContextVar[list[http.Response] | None] = contextvars.ContextVar(
     "chatroute_provider_opened_responses", default=None
 )
 
 
-async def _record_response(response: httpx2.Response) -> None:
-    """httpx response hook: remember the response for the `_post` call running in this task."""
+async def _record_response(response: http.Response) -> None:
+    """HTTP response hook: remember the response for the `_post` call running in this task."""
     opened = _OPENED.get()
     if opened is not None:
         opened.append(response)
 
 
-async def _close_quietly(response: httpx2.Response) -> None:
+async def _close_quietly(response: http.Response) -> None:
     try:
         await asyncio.shield(response.aclose())
     except BaseException as exc:  # never mask the error being raised
@@ -72,7 +72,7 @@ async def _close_quietly(response: httpx2.Response) -> None:
 @functools.cache
 def _shared_ssl_context() -> ssl.SSLContext:
     """One verifying SSL context for all providers (loading CAs is slow); honours SSL_CERT_FILE."""
-    return httpx2.create_ssl_context(trust_env=True)
+    return http.create_ssl_context(trust_env=True)
 
 
 class _Keep:
@@ -184,7 +184,7 @@ class OpenAIChatClient(ChatClient):
         extra_body: Mapping[str, Any] | None = None,
         context_window: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
-        http_client: httpx2.AsyncClient | None = None,
+        http_client: http.AsyncClient | None = None,
     ) -> None:
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("model must be a non-empty string or None")
@@ -223,16 +223,16 @@ class OpenAIChatClient(ChatClient):
         self._closed = False
         self._parent: OpenAIChatClient | None = None
 
-        timeout = httpx2.Timeout(
+        timeout = http.Timeout(
             connect=self.connect_timeout,
             read=self.read_timeout,
             write=_positive("write_timeout", write_timeout),
             pool=_positive("pool_timeout", pool_timeout),
         )
         self._owns_http = http_client is None
-        self._http = http_client or httpx2.AsyncClient(
+        self._http = http_client or http.AsyncClient(
             timeout=timeout,
-            limits=httpx2.Limits(
+            limits=http.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_keepalive_connections,
                 keepalive_expiry=keepalive_expiry,
@@ -323,7 +323,7 @@ class OpenAIChatClient(ChatClient):
             extra_body=self.extra_body,
         )
 
-    async def _send(self, body: dict[str, Any]) -> httpx2.Response:
+    async def _send(self, body: dict[str, Any]) -> http.Response:
         """POST the body through the SDK and return the raw, unread HTTP response.
 
         The SDK builds and sends the request (auth, headers, base URL, timeouts) and turns
@@ -333,7 +333,7 @@ class OpenAIChatClient(ChatClient):
         `extra_body`, so the SDK sends the body exactly as built.
         """
         extra = {k: v for k, v in body.items() if k != "model"}
-        opened: list[httpx2.Response] = []
+        opened: list[http.Response] = []
         token = _OPENED.set(opened)
         try:
             api_response = await self._client.chat.completions.with_streaming_response.create(
@@ -342,7 +342,7 @@ class OpenAIChatClient(ChatClient):
                 extra_body=extra,
                 extra_headers=self._extra_headers,
             ).__aenter__()
-            response: httpx2.Response = api_response.http_response
+            response: http.Response = api_response.http_response
             return response
         except BaseException:
             # The SDK can be interrupted (cancelled, timed out) after the response headers
@@ -434,7 +434,7 @@ class OpenAIChatClient(ChatClient):
         started = loop.time()
         total_deadline = started + self.request_timeout if self.request_timeout else None
         first_deadline = started + self.first_token_timeout if self.first_token_timeout else None
-        response: httpx2.Response | None = None
+        response: http.Response | None = None
         lines: AsyncIterator[str] | None = None
         committed = False
         finished = False  # a finish reason or [DONE] arrived: the answer is complete
