@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
@@ -54,7 +53,8 @@ def test_engine_imports_without_the_server_stack() -> None:
     # The engine must run where only torch, numpy, faiss and sentence-transformers exist.
     code = (
         "import sys\n"
-        "blocked = ('fastapi', 'pydantic', 'uvicorn', 'openai', 'typer', 'prometheus_client', 'yaml')\n"
+        "blocked = ('fastapi', 'pydantic', 'uvicorn', 'openai', 'typer',\n"
+        "           'prometheus_client', 'yaml')\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in blocked:\n"
@@ -62,7 +62,8 @@ def test_engine_imports_without_the_server_stack() -> None:
         "        return None\n"
         "sys.meta_path.insert(0, Block())\n"
         "import chatroute\n"
-        "from chatroute import SemanticRoutingChatClient, SentenceTransformerEmbedder, ProfileIndex\n"
+        "from chatroute import (SemanticRoutingChatClient, SentenceTransformerEmbedder,\n"
+        "                       ProfileIndex, HealthAwareFailoverChatClient)\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
