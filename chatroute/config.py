@@ -6,12 +6,14 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,13 +25,17 @@ from pydantic import (
 from chatroute.chat.types import ChatOptions
 
 __all__ = [
+    "BreakerConfig",
     "ChatrouteConfig",
     "ConfigError",
     "EmbedderConfig",
     "ProviderConfig",
     "ProviderTimeouts",
+    "ResilienceConfig",
     "RouteConfig",
     "RouteOptions",
+    "RouteResilience",
+    "RouteTimeouts",
     "RoutingConfig",
     "ServerConfig",
     "load_config",
@@ -76,7 +82,10 @@ class ServerConfig(_Strict):
     api_keys_env: EnvName = "CHATROUTE_API_KEYS"
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     max_messages: int = Field(default=1024, ge=1)
+    max_message_chars: int = Field(default=1_000_000, ge=1)
+    max_json_depth: int = Field(default=64, ge=4, le=512)
     max_classify_inputs: int = Field(default=2048, ge=1)
+    body_timeout: PositiveSeconds = 30.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
@@ -104,15 +113,113 @@ class RoutingConfig(_Strict):
 
 
 class ProviderTimeouts(_Strict):
-    """Time limits of one provider attempt, in seconds (None: no limit)."""
+    """Time limits of one provider attempt, in seconds (None: no limit).
+
+    `attempt` bounds a whole attempt (a non-streamed answer, or a whole stream); it is
+    also accepted under its older name `request`. `first_token` bounds the wait for the
+    first content-bearing event of a stream (connecting included); `stall` the silence
+    between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
+    are the HTTP transport's limits.
+    """
 
     connect: PositiveSeconds = 5.0
     read: PositiveSeconds = 300.0
     write: PositiveSeconds = 30.0
     pool: PositiveSeconds = 10.0
-    request: PositiveSeconds | None = None
+    attempt: PositiveSeconds | None = Field(
+        default=None, validation_alias=AliasChoices("attempt", "request")
+    )
     first_token: PositiveSeconds | None = None
     stall: PositiveSeconds | None = None
+
+    @property
+    def request(self) -> float | None:
+        """The older name of `attempt`."""
+        return self.attempt
+
+
+class RouteTimeouts(_Strict):
+    """Per-route overrides of the providers' attempt limits (None: keep the provider's)."""
+
+    attempt: PositiveSeconds | None = None
+    first_token: PositiveSeconds | None = None
+    stall: PositiveSeconds | None = None
+
+
+class BreakerConfig(_Strict):
+    """The circuit breaker every provider gets (shared by all routes that use it).
+
+    It opens when, within the last `window` seconds, at least `minimum_requests` attempts
+    were recorded and the share of failures reached `failure_rate_threshold`; after
+    `cool_down` seconds it lets one probe through, which closes it on success.
+    """
+
+    failure_rate_threshold: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    minimum_requests: int = Field(default=5, ge=1)
+    window: PositiveSeconds = 30.0
+    cool_down: PositiveSeconds = 15.0
+
+
+@dataclass(frozen=True)
+class RouteResilience:
+    """The failover settings in force for one route (its own keys over `resilience`)."""
+
+    deadline: float | None
+    max_attempts: int | None
+    retry_same_provider: bool
+    max_tries_per_provider: int
+    retry_backoff: float
+    retry_after_max: float
+    first_token: float | None = None
+    stall: float | None = None
+    attempt: float | None = None
+
+
+class ResilienceConfig(_Strict):
+    """Service-wide failover defaults (each route may override them) and breaker settings.
+
+    - `deadline`: seconds a whole request may take, failovers and the streamed body
+      included; the caller then gets 504 (or an in-band error once a stream started).
+      None: no overall limit.
+    - `max_attempts`: the attempt budget of one request, retries and fallbacks together.
+      None: each target once (or `max_tries_per_provider` times when retrying).
+    - `retry_same_provider`: a provider that failed with a retryable error (5xx, reset,
+      429, malformed stream, ...) may be tried again in the same request, up to
+      `max_tries_per_provider` times, `retry_backoff` seconds apart. A provider that timed
+      out waiting for the first token or rejected the key is never retried in a request.
+    - `retry_after_max`: the longest Retry-After (429) hint honoured by waiting for it; a
+      longer one, or one that does not fit the deadline, fails over at once.
+    - `caller_deadline`: honour an `x-chatroute-timeout: <seconds>` request header, which
+      can only shorten the deadline.
+    - `breaker`: the circuit breaker each provider gets, shared by every route.
+    """
+
+    deadline: PositiveSeconds | None = None
+    max_attempts: int | None = Field(default=None, ge=1)
+    retry_same_provider: bool = False
+    max_tries_per_provider: int = Field(default=2, ge=1, le=10)
+    retry_backoff: float = Field(default=0.0, ge=0, le=60, allow_inf_nan=False)
+    retry_after_max: float = Field(default=5.0, ge=0, le=600, allow_inf_nan=False)
+    caller_deadline: bool = True
+    breaker: BreakerConfig = BreakerConfig()
+
+    def for_route(self, route: RouteConfig) -> RouteResilience:
+        """The settings in force for `route`: its own keys over these defaults."""
+
+        def pick(own: Any, default: Any) -> Any:
+            return own if own is not None else default
+
+        return RouteResilience(
+            deadline=pick(route.deadline, self.deadline),
+            max_attempts=pick(route.max_attempts, self.max_attempts),
+            retry_same_provider=pick(route.retry_same_provider, self.retry_same_provider),
+            max_tries_per_provider=pick(route.max_tries_per_provider, self.max_tries_per_provider),
+            retry_backoff=pick(route.retry_backoff, self.retry_backoff),
+            retry_after_max=pick(route.retry_after_max, self.retry_after_max),
+            first_token=route.timeouts.first_token,
+            stall=route.timeouts.stall,
+            attempt=route.timeouts.attempt,
+        )
 
 
 class ProviderConfig(_Strict):
@@ -199,13 +306,24 @@ class RouteOptions(_Strict):
 
 
 class RouteConfig(_Strict):
-    """A route: example utterances that select it, and the providers tried in order."""
+    """A route: example utterances that select it, and the providers tried in order.
+
+    `max_attempts`, `deadline`, `retry_same_provider`, `max_tries_per_provider`,
+    `retry_backoff` and `retry_after_max` override the `resilience` defaults for this
+    route; `timeouts` overrides its providers' attempt, first-token and stall limits.
+    """
 
     description: str | None = None
     utterances: list[Utterance] = Field(default_factory=list)
     targets: list[Name] = Field(min_length=1)
     options: RouteOptions = RouteOptions()
     max_attempts: int | None = Field(default=None, ge=1)
+    deadline: PositiveSeconds | None = None
+    retry_same_provider: bool | None = None
+    max_tries_per_provider: int | None = Field(default=None, ge=1, le=10)
+    retry_backoff: float | None = Field(default=None, ge=0, le=60, allow_inf_nan=False)
+    retry_after_max: float | None = Field(default=None, ge=0, le=600, allow_inf_nan=False)
+    timeouts: RouteTimeouts = RouteTimeouts()
 
 
 class ChatrouteConfig(_Strict):
@@ -214,6 +332,7 @@ class ChatrouteConfig(_Strict):
     server: ServerConfig = ServerConfig()
     embedder: EmbedderConfig = EmbedderConfig()
     routing: RoutingConfig
+    resilience: ResilienceConfig = ResilienceConfig()
     providers: dict[Name, ProviderConfig] = Field(min_length=1)
     routes: dict[Name, RouteConfig] = Field(min_length=1)
 

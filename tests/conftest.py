@@ -58,7 +58,11 @@ def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    # Keep-alive longer than the clients' own idle expiry (httpx: 5 s), so that a client never
+    # reuses a connection the server is closing at that very moment.
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=30
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -81,3 +85,124 @@ def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
 def serve_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
     """`with serve_app(app) as url:` runs an ASGI app under uvicorn on 127.0.0.1 (any port)."""
     return _serve
+
+
+# ------------------------------------------------------------------ the service on fakes
+
+
+class ServiceStack:
+    """The real service under uvicorn on 127.0.0.1, in front of scripted fake upstreams.
+
+    `upstreams` maps provider names to their `FakeUpstream`; `traces` collects the
+    `RequestTrace` of every finished chat request (the app's trace sink), in order.
+    """
+
+    def __init__(self, url: str, app: Any, upstreams: dict[str, Any], key: str) -> None:
+        import httpx
+        import openai
+
+        self.url = url
+        self.app = app
+        self.upstreams = upstreams
+        self.key = key
+        self.traces: list[Any] = []
+        self._changed = threading.Condition()
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        self.http = httpx.Client(
+            base_url=url, headers={"authorization": f"Bearer {key}"}, timeout=30.0
+        )
+
+    def sink(self, trace: Any) -> None:
+        """The app's trace sink (runs on the server's thread)."""
+        with self._changed:
+            self.traces.append(trace)
+            self._changed.notify_all()
+
+    def wait_traces(self, n: int, timeout: float = 5.0) -> list[Any]:
+        """Block until at least `n` chat requests have finished; return their traces."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self.traces) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"only {len(self.traces)} of {n} requests finished")
+                self._changed.wait(left)
+            return list(self.traces)
+
+    @property
+    def service(self) -> Any:
+        """The running `Service` (engine, metrics)."""
+        return self.app.state.service
+
+    def reset(self) -> None:
+        """Forget scripts, records and traces; every upstream healthy, every breaker closed."""
+        from tests.fakes import Ok
+
+        for up in self.upstreams.values():
+            up.reset()
+            up.handler = None
+            up.default = Ok("Hello from the fake upstream.")
+        for breaker in self.service.engine.breakers:
+            breaker.reset()
+        with self._changed:
+            self.traces.clear()
+
+    def attempts(self) -> dict[str, int]:
+        """Chat requests each upstream received."""
+        return {name: up.attempts for name, up in self.upstreams.items()}
+
+    def metrics(self) -> str:
+        """The /metrics exposition text."""
+        return str(self.http.get("/metrics").text)
+
+    def close(self) -> None:
+        self.client.close()
+        self.http.close()
+
+
+@contextlib.contextmanager
+def _stack(
+    build_config: Callable[[dict[str, str]], dict[str, Any]],
+    names: Sequence[str],
+    embedder: EmbeddingGenerator,
+) -> Iterator[ServiceStack]:
+    from chatroute.config import parse_config
+    from chatroute.server import create_app
+    from tests.fakes import FakeUpstream
+
+    key = "stack-key-0123456789"
+    with contextlib.ExitStack() as stack:
+        upstreams = {name: stack.enter_context(FakeUpstream()) for name in names}
+        data = build_config({name: up.base_url for name, up in upstreams.items()})
+        config = parse_config(data, environ={})
+        made: list[ServiceStack] = []
+
+        def sink(trace: Any) -> None:
+            made[0].sink(trace)
+
+        app = create_app(config, api_keys=[key], environ={}, embedder=embedder, trace_sink=sink)
+        url = stack.enter_context(_serve(app))
+        made.append(ServiceStack(url, app, upstreams, key))
+        try:
+            yield made[0]
+        finally:
+            made[0].close()
+
+
+@pytest.fixture(scope="module")
+def service_stack(
+    default_embedder: Callable[[], EmbeddingGenerator],
+) -> Callable[..., contextlib.AbstractContextManager[ServiceStack]]:
+    """`with service_stack(build_config, ["primary", "fallback"]) as stack:` runs the real
+    service (uvicorn, 127.0.0.1) in front of one `FakeUpstream` per name.
+
+    `build_config(base_urls)` returns the config mapping; the shared default-model
+    embedder is lent to it.
+    """
+
+    def make(
+        build_config: Callable[[dict[str, str]], dict[str, Any]], names: Sequence[str]
+    ) -> contextlib.AbstractContextManager[ServiceStack]:
+        return _stack(build_config, names, default_embedder())
+
+    return make

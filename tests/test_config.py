@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from chatroute.chat import ChatOptions, ConfigureOptionsChatClient
+from chatroute.chat import ChatClient, ChatOptions, ConfigureOptionsChatClient
 from chatroute.config import ConfigError, load_config, parse_config
 from chatroute.server import RecordingFailoverChatClient, build_engine
 from chatroute.server.engine import load_thresholds
@@ -232,3 +232,106 @@ class _NoEmbedder:
 
     async def aclose(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------------- resilience
+
+
+def test_resilience_defaults_and_route_overrides() -> None:
+    data = base()
+    data["resilience"] = {
+        "deadline": 60,
+        "max_attempts": 4,
+        "retry_after_max": 3,
+        "breaker": {"minimum_requests": 10, "cool_down": 5},
+    }
+    data["routes"]["code"].update(
+        {
+            "deadline": 20,
+            "retry_same_provider": True,
+            "retry_backoff": 0.5,
+            "timeouts": {"first_token": 4, "stall": 8},
+        }
+    )
+    config = parse_config(data, environ={})
+    code = config.resilience.for_route(config.routes["code"])
+    assert (code.deadline, code.max_attempts, code.retry_same_provider) == (20, 4, True)
+    assert (code.retry_backoff, code.retry_after_max) == (0.5, 3)
+    assert (code.first_token, code.stall, code.attempt) == (4, 8, None)
+    general = config.resilience.for_route(config.routes["general"])
+    assert (general.deadline, general.retry_same_provider, general.first_token) == (60, False, None)
+    assert config.resilience.breaker.minimum_requests == 10
+
+
+def test_attempt_timeout_also_accepts_its_older_name() -> None:
+    data = base()
+    data["providers"]["fast"]["timeouts"] = {"request": 12, "first_token": 3}
+    timeouts = parse_config(data, environ={}).providers["fast"].timeouts
+    assert timeouts.attempt == 12 and timeouts.request == 12 and timeouts.first_token == 3
+
+
+def test_bad_resilience_settings_name_their_keys() -> None:
+    data = base()
+    data["resilience"] = {"deadline": 0, "breaker": {"failure_rate_threshold": 2}, "bogus": 1}
+    data["routes"]["code"]["timeouts"] = {"first_token": -1}
+    data["routes"]["code"]["max_tries_per_provider"] = 0
+    found = problems(data)
+    for key in (
+        "resilience.deadline",
+        "resilience.breaker.failure_rate_threshold",
+        "resilience.bogus",
+        "routes.code.timeouts.first_token",
+        "routes.code.max_tries_per_provider",
+    ):
+        assert any(p.startswith(f"{key}:") for p in found), (key, found)
+
+
+def test_engine_chains_share_one_breaker_per_provider_and_apply_route_limits() -> None:
+    data = base()
+    data["providers"]["strong"]["timeouts"] = {"first_token": 9}
+    data["routes"]["code"]["timeouts"] = {"first_token": 2}
+    data["routes"]["code"]["max_attempts"] = 2
+    data["resilience"] = {"deadline": 30}
+    config = parse_config(data, environ={})
+    engine = build_engine(config, environ={}, embedder=_NoEmbedder())
+    try:
+        code, general = engine.chains["code"], engine.chains["general"]
+        assert code.breakers["strong"] is general.breakers["strong"]
+        assert code.breakers["strong"] is engine.breakers.get("strong")
+        assert code.maximum_attempts_per_request == 2 and code.request_deadline == 30
+        fast_view, strong_view = code.clients
+        assert fast_view is not engine.providers["fast"]  # a view with the route's limit
+        assert fast_view.first_token_timeout == 2  # type: ignore[attr-defined]
+        assert strong_view.first_token_timeout == 2  # type: ignore[attr-defined]
+        assert general.clients[0] is engine.providers["strong"]  # the provider's own: 9 s
+        assert engine.providers["strong"].first_token_timeout == 9  # type: ignore[attr-defined]
+        assert engine.resilience["code"].deadline == 30
+    finally:
+        asyncio.run(engine.aclose())
+
+
+def test_given_providers_get_the_configured_limits_as_a_wrapper() -> None:
+    from chatroute.failover.timeouts import TimeoutChatClient
+
+    data = base()
+    data["providers"]["strong"]["timeouts"] = {"first_token": 9, "stall": 4}
+    config = parse_config(data, environ={})
+    custom = _Unused()
+    engine = build_engine(config, environ={}, embedder=_NoEmbedder(), providers={"strong": custom})
+    try:
+        wrapped = engine.chains["general"].clients[0]
+        assert isinstance(wrapped, TimeoutChatClient) and wrapped.inner is custom
+        assert (wrapped.first_token_timeout, wrapped.stall_timeout) == (9, 4)
+        assert engine.chains["general"].provider_name(wrapped) == "strong"
+    finally:
+        asyncio.run(engine.aclose())
+
+
+class _Unused(ChatClient):
+    """A provider that is never called in these tests."""
+
+    async def get_response(self, messages: Any, options: Any = None) -> Any:
+        raise AssertionError("not expected to be called")
+
+    def get_streaming_response(self, messages: Any, options: Any = None) -> Any:
+        raise AssertionError("not expected to be called")

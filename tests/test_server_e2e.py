@@ -32,8 +32,9 @@ STRONG_SECRET = "sk-strong-secret-abcdef123456"
 class Stack:
     """The running service and its two upstreams."""
 
-    def __init__(self, url: str, fast: FakeUpstream, strong: FakeUpstream) -> None:
+    def __init__(self, url: str, fast: FakeUpstream, strong: FakeUpstream, app: Any) -> None:
         self.url = url
+        self.app = app
         self.fast = fast
         self.strong = strong
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
@@ -97,7 +98,7 @@ def stack(
         config = parse_config(_config(fast, strong), environ=environ)
         app = create_app(config, api_keys=[KEY], environ=environ, embedder=default_embedder())
         with serve_app(app) as url:
-            made = Stack(url, fast, strong)
+            made = Stack(url, fast, strong, app)
             yield made
             made.client.close()
             made.http.close()
@@ -108,6 +109,8 @@ def fresh(stack: Stack) -> None:
     for up in (stack.fast, stack.strong):
         up.reset()
         up.default = Ok("Hello from the fake upstream.")
+    for breaker in stack.app.state.service.engine.breakers:
+        breaker.reset()  # each test starts with every provider healthy
 
 
 # -------------------------------------------------------------------------- routing

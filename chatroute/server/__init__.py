@@ -3,7 +3,12 @@
 from chatroute.server.app import Service, create_app
 from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError
-from chatroute.server.tracing import AttemptRecord, RecordingFailoverChatClient, RequestTrace
+from chatroute.server.tracing import (
+    AttemptRecord,
+    RecordingFailoverChatClient,
+    RequestTrace,
+    TraceRecorder,
+)
 
 __all__ = [
     "APIError",
@@ -12,6 +17,7 @@ __all__ = [
     "RecordingFailoverChatClient",
     "RequestTrace",
     "Service",
+    "TraceRecorder",
     "build_engine",
     "create_app",
 ]

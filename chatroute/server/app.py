@@ -5,19 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Send
+from starlette.types import Message, Receive, Send
 
 from chatroute import __version__
 from chatroute.chat.client import ChatClient
@@ -30,13 +31,14 @@ from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.guard import RequestGuard
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
-from chatroute.server.tracing import RequestTrace, start_trace
+from chatroute.server.tracing import RequestTrace, TraceSink, end_trace, start_trace
 from chatroute.server.wire import (
     ChatCompletionRequest,
     ClassifyRequest,
     ConversationInput,
     RouteRequest,
     StreamEncoder,
+    WireMessage,
     completion_body,
     has_content,
     query_text,
@@ -52,6 +54,11 @@ AUTO_MODEL = "auto"
 ROUTE_HEADER = "x-chatroute-route"
 PROVIDER_HEADER = "x-chatroute-provider"
 ATTEMPTS_HEADER = "x-chatroute-attempts"
+TIMEOUT_HEADER = "x-chatroute-timeout"
+IGNORED_HEADER = "x-chatroute-ignored-params"
+CLIENT_CLOSED = 499  # the status logged for a request whose caller left (nginx's convention)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -63,11 +70,36 @@ class Service:
     redact: Redactor
     ready: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
+    trace_sink: TraceSink | None = None
 
     @property
     def config(self) -> ChatrouteConfig:
         """The validated configuration."""
         return self.engine.config
+
+    def finish(self, trace: RequestTrace, status: int, started: float) -> None:
+        """Record a finished chat request: its status, metrics, and the trace sink."""
+        trace.status = status
+        route = trace.route or ""
+        if trace.cancelled is not None:
+            logger.info(
+                "caller %s on route %s %s output after %d attempt(s)",
+                "left" if trace.cancelled == "disconnect" else "ran out of its deadline",
+                route,
+                "after" if trace.committed else "before",
+                trace.attempt_count,
+            )
+        self.metrics.observe_trace(trace)
+        self.metrics.observe_cancellation(trace)
+        self.metrics.observe_request(
+            "chat_completions", route, status, time.perf_counter() - started
+        )
+        if self.trace_sink is not None:
+            try:
+                self.trace_sink(trace)
+            except Exception:
+                logger.exception("the trace sink failed")
+        end_trace()
 
     def route_headers(self, route: str | None, trace: RequestTrace | None) -> dict[str, str]:
         """The `x-chatroute-*` headers for a request."""
@@ -173,21 +205,122 @@ def _install_error_handlers(app: FastAPI) -> None:
 # ---------------------------------------------------------------------------- streaming
 
 
+class _CallerGone(Exception):
+    """The HTTP client disconnected while its request was being answered."""
+
+
+class _DeadlineHit(Exception):
+    """The request's overall deadline expired on the caller's side."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request deadline of {seconds:g} s was exceeded")
+        self.seconds = seconds
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """When the request must be over (event-loop time) and the budget it came from."""
+
+    at: float
+    seconds: float
+
+
+async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
+    """Await under the request deadline; its expiry cancels the call and raises _DeadlineHit.
+
+    The expiry works by cancelling the task, so the failover router treats it as the
+    caller cancelling: the running attempt is terminal, no new attempt starts, and the
+    provider's health is not charged.
+    """
+    if deadline is None:
+        return await awaitable
+    timer = asyncio.timeout_at(deadline.at)
+    try:
+        async with timer:
+            return await awaitable
+    except TimeoutError as exc:
+        if timer.expired():
+            raise _DeadlineHit(deadline.seconds) from exc
+        raise
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _watched(receive: Receive, work: Awaitable[T]) -> T:
+    """Run `work` while watching the connection; a disconnect cancels it (_CallerGone).
+
+    The cancelled work has finished unwinding (its upstream request closed) by the time
+    _CallerGone is raised.
+    """
+    call: asyncio.Future[T] = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        call.cancel()
+        watcher.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(call, watcher, return_exceptions=True)
+        raise
+    if call.done():
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        return call.result()
+    call.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(call, return_exceptions=True)
+    raise _CallerGone
+
+
 class _SSEResponse(StreamingResponse):
     """A streaming response that always closes its body and the routed stream behind it,
-    however sending ends (even when the body never started)."""
+    however sending ends (even when the body never started), and marks the trace when
+    the caller disconnects (the body is then cancelled by Starlette)."""
 
-    def __init__(self, content: AsyncIterator[bytes], routed: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        routed: Any,
+        trace: RequestTrace,
+        unsent: Callable[[], None],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(content, **kwargs)
         self._routed = routed
+        self._trace = trace
+        self._unsent = unsent  # records the request when the body never got to run
+        self._sent = False
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        await super().listen_for_disconnect(receive)
+        # The server also says "disconnect" once the response is complete: not a caller leaving.
+        if not self._sent and self._trace.cancelled is None:
+            self._trace.cancelled = "disconnect"
 
     async def stream_response(self, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._sent = True  # before the server can report the completed response
+            await send(message)
+
         try:
-            await super().stream_response(send)
+            await super().stream_response(sending)
+        except OSError:
+            if self._trace.cancelled is None:
+                self._trace.cancelled = "disconnect"
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await close_iterator(self.body_iterator)
                 await close_iterator(self._routed)
+            if self._trace.status is None:
+                self._unsent()
 
 
 async def _sse_body(
@@ -198,6 +331,7 @@ async def _sse_body(
     encoder: StreamEncoder,
     trace: RequestTrace,
     started: float,
+    deadline: _Deadline | None,
 ) -> AsyncIterator[bytes]:
     status = 200
     route = trace.route or ""
@@ -205,17 +339,23 @@ async def _sse_body(
         for update in pending:
             chunk = encoder.encode(update)
             if chunk:
+                trace.committed = True
                 yield chunk
         if not finished:
             while True:
                 try:
-                    update = await anext(iterator)
+                    update = await _bounded(anext(iterator), deadline)
                 except StopAsyncIteration:
                     break
                 chunk = encoder.encode(update)
                 if chunk:
+                    trace.committed = True
                     yield chunk
         yield encoder.finish()
+    except _DeadlineHit as exc:  # after commit: in-band error, and no [DONE]
+        trace.cancelled = "deadline"
+        status = 504
+        yield _deadline_error(exc.seconds).sse_event()
     except Exception as exc:  # after commit: in-band error, and no [DONE]
         error = error_from_exception(exc, service.redact)
         status = error.status
@@ -226,10 +366,18 @@ async def _sse_body(
     finally:
         with anyio.CancelScope(shield=True):
             await close_iterator(iterator)
-        service.metrics.observe_trace(trace)
-        service.metrics.observe_request(
-            "chat_completions", route, status, time.perf_counter() - started
-        )
+        if trace.cancelled == "disconnect":
+            status = CLIENT_CLOSED
+        service.finish(trace, status, started)
+
+
+def _deadline_error(seconds: float) -> APIError:
+    return APIError(
+        504,
+        f"the request deadline of {seconds:g} s was exceeded",
+        type="timeout_error",
+        code="deadline_exceeded",
+    )
 
 
 # -------------------------------------------------------------------------------- app
@@ -258,6 +406,7 @@ def create_app(
     api_keys: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
     embedder: EmbeddingGenerator | None = None,
+    trace_sink: TraceSink | None = None,
 ) -> FastAPI:
     """The service app for a config (built at start-up, owned by the app) or an engine
     (owned by you; build it on the event loop that serves the app).
@@ -266,7 +415,9 @@ def create_app(
     shutdown closes what the app built. `api_keys` defaults to the comma-separated keys in
     the environment variable the config names (`CHATROUTE_API_KEYS`); with no keys,
     `/v1/*` is open. `environ` replaces `os.environ`; `embedder` replaces the configured
-    embedding generator of a config.
+    embedding generator of a config. `trace_sink`, when given, is called with the
+    `RequestTrace` of every finished chat request (its route, attempts, status and
+    whether the caller cut it short); it runs on the event loop and must not block.
     """
     env = os.environ if environ is None else environ
     config = source.config if isinstance(source, Engine) else source
@@ -286,8 +437,9 @@ def create_app(
         else:  # loading the model blocks: keep it off the event loop
             engine = await asyncio.to_thread(build_engine, source, embedder=embedder, environ=env)
         redact = Redactor([*keys, *engine.secrets])
-        service = Service(engine=engine, metrics=metrics, redact=redact)
+        service = Service(engine=engine, metrics=metrics, redact=redact, trace_sink=trace_sink)
         detach = _attach_embedder_metrics(engine, metrics)
+        unwatch = metrics.watch_breakers(engine.breakers)
         try:
             await engine.warm()
             service.ready = True
@@ -303,6 +455,7 @@ def create_app(
             service.ready = False
             metrics.ready.set(0)
             detach()
+            unwatch()
             if owned:
                 await engine.aclose()
 
@@ -316,7 +469,13 @@ def create_app(
     app.state.metrics = metrics
     _install_error_handlers(app)
     _install_routes(app)
-    app.add_middleware(RequestGuard, api_keys=keys, max_body_bytes=config.server.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_keys=keys,
+        max_body_bytes=config.server.max_body_bytes,
+        max_json_depth=config.server.max_json_depth,
+        body_timeout=config.server.body_timeout,
+    )
     return app
 
 
@@ -389,6 +548,7 @@ def _install_routes(app: FastAPI) -> None:
             _check_messages(service, body.messages)
             messages = to_chat_messages(body.messages)
         else:
+            _check_length(service, len(body.input or ""), "input")
             messages = [ChatMessage("user", body.input or "")]
         decision = await _decide(service, messages)
         result = engine.describe(decision, matches=True)
@@ -410,8 +570,10 @@ def _install_routes(app: FastAPI) -> None:
         for position, item in enumerate(body.inputs):
             if isinstance(item, ConversationInput):
                 prefix = f"inputs[{position}].messages"
+                _check_messages(service, item.messages)
                 queries.append(query_text(to_chat_messages(item.messages, prefix=prefix)))
             else:
+                _check_length(service, len(item), f"inputs[{position}]")
                 queries.append(item)
         try:
             decisions = await service.engine.decide_batch(queries)
@@ -424,28 +586,113 @@ def _install_routes(app: FastAPI) -> None:
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(body: ChatCompletionRequest, service: ReadyService) -> Response:
-        """OpenAI chat completions, routed by content (`model: auto`) or to a named route."""
+    async def chat_completions(
+        body: ChatCompletionRequest, service: ReadyService, request: Request
+    ) -> Response:
+        """OpenAI chat completions, routed by content (`model: auto`) or to a named route.
+
+        Unknown top-level fields are ignored (and named in `x-chatroute-ignored-params`).
+        `x-chatroute-timeout: <seconds>` shortens the request's deadline.
+        """
         started = time.perf_counter()
+        arrived = asyncio.get_running_loop().time()
         _check_messages(service, body.messages)
+        caller_timeout = _caller_timeout(service, request)
         messages = to_chat_messages(body.messages)
         options = to_chat_options(body)
         route_name, client = await _resolve(service, body.model, messages)
         trace = start_trace(route_name)
+        trace.stream = bool(body.stream)
+        deadline = _deadline_for(service, route_name, caller_timeout, arrived)
+        extra = {}
+        ignored = sorted(body.model_extra or {})
+        if ignored:
+            logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
+            extra[IGNORED_HEADER] = _header_list(ignored)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(service, client, messages, options, trace, started, include_usage)
-        return await _complete(service, client, messages, options, trace, started)
+            return await _stream(
+                service,
+                request,
+                client,
+                messages,
+                options,
+                trace,
+                started,
+                include_usage,
+                deadline,
+                extra,
+            )
+        return await _complete(
+            service, request, client, messages, options, trace, started, deadline, extra
+        )
 
 
-def _check_messages(service: Service, messages: Sequence[Any]) -> None:
-    limit = service.config.server.max_messages
-    if len(messages) > limit:
+def _header_list(names: Sequence[str], limit: int = 512) -> str:
+    """A comma-separated header value of printable names, cut to `limit` characters."""
+    clean = [n for n in names if n.isascii() and n.isprintable() and "," not in n]
+    text = ",".join(clean)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _caller_timeout(service: Service, request: Request) -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None or not service.config.resilience.caller_deadline:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
         raise APIError(
             400,
-            f"messages: at most {limit} messages per request",
+            f"{TIMEOUT_HEADER} must be a positive number of seconds",
+            param=TIMEOUT_HEADER,
+            code="invalid_header",
+        )
+    return seconds
+
+
+def _deadline_for(
+    service: Service, route: str, caller: float | None, arrived: float
+) -> _Deadline | None:
+    policy = service.engine.resilience.get(route)
+    seconds = policy.deadline if policy is not None else None
+    if caller is not None and (seconds is None or caller < seconds):
+        seconds = caller
+    if seconds is None:
+        return None
+    return _Deadline(arrived + seconds, seconds)
+
+
+def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
+    limits = service.config.server
+    if len(messages) > limits.max_messages:
+        raise APIError(
+            400,
+            f"messages: at most {limits.max_messages} messages per request",
             param="messages",
             code="too_many",
+        )
+    for position, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            continue
+        if isinstance(content, str):
+            size = len(content)
+        else:
+            size = sum(len(part.text or "") for part in content)
+        _check_length(service, size, f"messages[{position}].content")
+
+
+def _check_length(service: Service, size: int, param: str) -> None:
+    limit = service.config.server.max_message_chars
+    if size > limit:
+        raise APIError(
+            400,
+            f"{param}: at most {limit} characters per message, got {size}",
+            param=param,
+            code="message_too_long",
         )
 
 
@@ -477,9 +724,10 @@ async def _resolve(
     client = engine.routes.get(model)
     if client is None:
         known = ", ".join([AUTO_MODEL, *engine.routes])
+        shown = model if len(model) <= 80 else model[:77] + "..."
         raise APIError(
             404,
-            f"The model '{model}' does not exist: use one of {known}",
+            f"The model '{shown}' does not exist: use one of {known}",
             param="model",
             code="model_not_found",
         )
@@ -495,76 +743,136 @@ def _served_model(service: Service, trace: RequestTrace) -> str:
 
 async def _complete(
     service: Service,
+    request: Request,
     client: ChatClient,
     messages: list[ChatMessage],
     options: ChatOptions,
     trace: RequestTrace,
     started: float,
+    deadline: _Deadline | None,
+    extra_headers: Mapping[str, str],
 ) -> Response:
     route = trace.route or ""
     try:
-        response = await client.get_response(messages, options)
+        response = await _watched(
+            request.receive, _bounded(client.get_response(messages, options), deadline)
+        )
+    except _CallerGone:
+        trace.cancelled = "disconnect"
+        service.finish(trace, CLIENT_CLOSED, started)
+        return Response(status_code=CLIENT_CLOSED)  # nobody is listening any more
+    except _DeadlineHit as exc:
+        trace.cancelled = "deadline"
+        error = _deadline_error(exc.seconds)
+        service.finish(trace, error.status, started)
+        return _error_response(
+            error, {**service.route_headers(trace.route, trace), **extra_headers}
+        )
     except Exception as exc:
         error = error_from_exception(exc, service.redact)
         logger.warning("route %s failed: %s", route, service.redact(str(error)))
-        service.metrics.observe_trace(trace)
-        service.metrics.observe_request(
-            "chat_completions", route, error.status, time.perf_counter() - started
+        service.finish(trace, error.status, started)
+        return _error_response(
+            error, {**service.route_headers(trace.route, trace), **extra_headers}
         )
-        return _error_response(error, service.route_headers(trace.route, trace))
     body = completion_body(response, model=_served_model(service, trace))
-    service.metrics.observe_trace(trace)
-    service.metrics.observe_request("chat_completions", route, 200, time.perf_counter() - started)
+    trace.committed = True
+    service.finish(trace, 200, started)
     return Response(
-        body, media_type="application/json", headers=service.route_headers(trace.route, trace)
+        body,
+        media_type="application/json",
+        headers={**service.route_headers(trace.route, trace), **extra_headers},
     )
+
+
+async def _first_content(
+    iterator: AsyncIterator[ChatResponseUpdate],
+) -> tuple[list[ChatResponseUpdate], bool]:
+    """Pull updates up to the first one that carries output (the commit point).
+
+    Returns the updates pulled and whether the stream already ended.
+    """
+    pending: list[ChatResponseUpdate] = []
+    while True:
+        try:
+            update = await anext(iterator)
+        except StopAsyncIteration:
+            return pending, True
+        pending.append(update)
+        if has_content(update):
+            return pending, False
 
 
 async def _stream(
     service: Service,
+    request: Request,
     client: ChatClient,
     messages: list[ChatMessage],
     options: ChatOptions,
     trace: RequestTrace,
     started: float,
     include_usage: bool,
+    deadline: _Deadline | None,
+    extra_headers: Mapping[str, str],
 ) -> Response:
     route = trace.route or ""
     iterator = aiter(client.get_streaming_response(messages, options))
-    pending: list[ChatResponseUpdate] = []
-    finished = False
     handed_over = False
     try:
         # The commit point: nothing is sent until the first update that carries output.
-        while True:
-            try:
-                update = await anext(iterator)
-            except StopAsyncIteration:
-                finished = True
-                break
-            pending.append(update)
-            if has_content(update):
-                break
+        # Until then a disconnect or the deadline cancels the routed call directly.
+        pending, finished = await _watched(
+            request.receive, _bounded(_first_content(iterator), deadline)
+        )
         encoder = StreamEncoder(model=_served_model(service, trace), include_usage=include_usage)
+
+        def unsent() -> None:
+            # The caller left before the body started: nothing was sent.
+            if trace.cancelled is None:
+                trace.cancelled = "disconnect"
+            service.finish(trace, CLIENT_CLOSED, started)
+
         response = _SSEResponse(
-            _sse_body(service, iterator, pending, finished, encoder, trace, started),
+            _sse_body(service, iterator, pending, finished, encoder, trace, started, deadline),
             iterator,
+            trace,
+            unsent,
             media_type="text/event-stream",
-            headers={"cache-control": "no-cache", **service.route_headers(trace.route, trace)},
+            headers={
+                "cache-control": "no-cache",
+                **service.route_headers(trace.route, trace),
+                **extra_headers,
+            },
         )
         handed_over = True
         return response
+    except _CallerGone:
+        trace.cancelled = "disconnect"
+        with anyio.CancelScope(shield=True):
+            await close_iterator(iterator)
+        handed_over = True
+        service.finish(trace, CLIENT_CLOSED, started)
+        return Response(status_code=CLIENT_CLOSED)
+    except _DeadlineHit as exc:
+        trace.cancelled = "deadline"
+        with anyio.CancelScope(shield=True):
+            await close_iterator(iterator)
+        handed_over = True
+        error = _deadline_error(exc.seconds)
+        service.finish(trace, error.status, started)
+        return _error_response(
+            error, {**service.route_headers(trace.route, trace), **extra_headers}
+        )
     except Exception as exc:
         error = error_from_exception(exc, service.redact)
         logger.warning("route %s failed before output: %s", route, service.redact(str(error)))
         with anyio.CancelScope(shield=True):
             await close_iterator(iterator)
         handed_over = True
-        service.metrics.observe_trace(trace)
-        service.metrics.observe_request(
-            "chat_completions", route, error.status, time.perf_counter() - started
+        service.finish(trace, error.status, started)
+        return _error_response(
+            error, {**service.route_headers(trace.route, trace), **extra_headers}
         )
-        return _error_response(error, service.route_headers(trace.route, trace))
     finally:
         if not handed_over:
             with anyio.CancelScope(shield=True):

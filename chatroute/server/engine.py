@@ -12,7 +12,9 @@ from typing import Any
 from chatroute.chat.client import ChatClient, ConfigureOptionsChatClient
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.chat.types import ChatMessage
-from chatroute.config import ChatrouteConfig, ConfigError, ProviderConfig
+from chatroute.config import ChatrouteConfig, ConfigError, ProviderConfig, RouteResilience
+from chatroute.failover.breaker import BreakerSettings, CircuitBreakerRegistry
+from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
 from chatroute.router.decision import RouteDecision, ScoreAggregation
 from chatroute.router.semantic import SemanticRoutingChatClient
@@ -32,10 +34,12 @@ logger = logging.getLogger("chatroute.engine")
 class Engine:
     """Everything a config describes, built and wired: what the server and the CLI run on.
 
-    `routes` maps each route name to its client (an ordered failover chain over its
-    providers, wrapped to apply the route's options); `router` is the semantic router over
-    them. The engine owns the providers and the embedding generator and closes them in
-    `aclose()`; the route chains and the semantic router own nothing.
+    `routes` maps each route name to its client (a health-aware failover chain over its
+    providers, wrapped to apply the route's options); `chains` maps it to the chain
+    itself and `resilience` to the failover settings in force for it; `breakers` holds
+    one circuit breaker per provider, shared by every route. `router` is the semantic
+    router over the routes. The engine owns the providers and the embedding generator
+    and closes them in `aclose()`; the route chains and the semantic router own nothing.
     """
 
     def __init__(
@@ -48,6 +52,8 @@ class Engine:
         *,
         secrets: Sequence[str] = (),
         route_thresholds: Mapping[str, float] | None = None,
+        breakers: CircuitBreakerRegistry | None = None,
+        chains: Mapping[str, RecordingFailoverChatClient] | None = None,
     ) -> None:
         self.config = config
         self.embedder = embedder
@@ -56,6 +62,11 @@ class Engine:
         self.provider_models: Mapping[str, str] = dict(provider_models)
         self.secrets: tuple[str, ...] = tuple(secrets)
         self.route_thresholds: Mapping[str, float] = dict(route_thresholds or {})
+        self.breakers = breakers if breakers is not None else CircuitBreakerRegistry()
+        self.chains: Mapping[str, RecordingFailoverChatClient] = dict(chains or {})
+        self.resilience: Mapping[str, RouteResilience] = {
+            name: config.resilience.for_route(route) for name, route in config.routes.items()
+        }
         self._names = {id(client): name for name, client in self.routes.items()}
         self._closed = False
         self.router = self.make_router()
@@ -204,7 +215,7 @@ def build_provider(
         read_timeout=timeouts.read,
         write_timeout=timeouts.write,
         pool_timeout=timeouts.pool,
-        request_timeout=timeouts.request,
+        request_timeout=timeouts.attempt,
         first_token_timeout=timeouts.first_token,
         stall_timeout=timeouts.stall,
         max_connections=settings.max_connections,
@@ -250,14 +261,43 @@ def build_engine(
         models[name] = model
         if key:
             secrets.append(key)
-    names = {client: name for name, client in clients.items()}
-    routes: dict[str, ChatClient] = {}
-    for route_name, route in config.routes.items():
-        chain = RecordingFailoverChatClient(
-            route_name, [clients[t] for t in route.targets], names, leave_open=True
+    breaker = config.resilience.breaker
+    registry = CircuitBreakerRegistry(
+        BreakerSettings(
+            failure_rate_threshold=breaker.failure_rate_threshold,
+            minimum_requests=breaker.minimum_requests,
+            window=breaker.window,
+            cool_down=breaker.cool_down,
         )
-        if route.max_attempts is not None:
-            chain.maximum_attempts_per_request = route.max_attempts
+    )
+    routes: dict[str, ChatClient] = {}
+    chains: dict[str, RecordingFailoverChatClient] = {}
+    for route_name, route in config.routes.items():
+        policy = config.resilience.for_route(route)
+        members = [
+            _route_client(clients[t], config.providers[t], policy, built=t not in given)
+            for t in route.targets
+        ]
+        windows: dict[str, int] = {}
+        for target in route.targets:
+            window = config.providers[target].context_window
+            if window is not None:
+                windows[target] = window
+        chain = RecordingFailoverChatClient(
+            route_name,
+            members,
+            list(route.targets),
+            leave_open=True,
+            breaker_factory=registry.get,
+            retry_same_client=policy.retry_same_provider,
+            max_tries_per_client=policy.max_tries_per_provider,
+            retry_backoff=policy.retry_backoff,
+            retry_after_max=policy.retry_after_max,
+            request_deadline=policy.deadline,
+            context_windows=windows,
+            maximum_attempts_per_request=policy.max_attempts,
+        )
+        chains[route_name] = chain
         routes[route_name] = (
             chain
             if route.options.is_empty()
@@ -271,10 +311,58 @@ def build_engine(
     )
     try:
         return Engine(
-            config, generator, routes, clients, models, secrets=secrets, route_thresholds=thresholds
+            config,
+            generator,
+            routes,
+            clients,
+            models,
+            secrets=secrets,
+            route_thresholds=thresholds,
+            breakers=registry,
+            chains=chains,
         )
     except ValueError as exc:  # thresholds out of range for the aggregation
         raise ConfigError([("routing.thresholds_file", str(exc))]) from None
+
+
+def _route_client(
+    provider: ChatClient, settings: ProviderConfig, route: RouteResilience, *, built: bool
+) -> ChatClient:
+    """The client a route calls for one provider: the provider itself, or a view of it
+    with the route's time limits.
+
+    Providers built from the config already carry their own limits; a route that
+    overrides one gets a view sharing the provider's connection pool (`with_timeouts`).
+    A provider given to `build_engine` is wrapped in a `TimeoutChatClient` with the
+    limits in force (the route's over the provider config's).
+    """
+    overrides = {
+        "request_timeout": route.attempt,
+        "first_token_timeout": route.first_token,
+        "stall_timeout": route.stall,
+    }
+    with_timeouts = getattr(provider, "with_timeouts", None)
+    if built and callable(with_timeouts):
+        changed = {key: value for key, value in overrides.items() if value is not None}
+        if not changed:
+            return provider
+        view = with_timeouts(**changed)
+        if not isinstance(view, ChatClient):
+            raise TypeError(f"{type(provider).__name__}.with_timeouts returned {view!r}")
+        return view
+    own = settings.timeouts
+    attempt = route.attempt if route.attempt is not None else own.attempt
+    first_token = route.first_token if route.first_token is not None else own.first_token
+    stall = route.stall if route.stall is not None else own.stall
+    if attempt is None and first_token is None and stall is None:
+        return provider
+    return TimeoutChatClient(
+        provider,
+        attempt_timeout=attempt,
+        first_token_timeout=first_token,
+        stall_timeout=stall,
+        leave_open=True,
+    )
 
 
 def load_thresholds(path: str, config: ChatrouteConfig) -> dict[str, float]:

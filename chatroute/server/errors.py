@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from chatroute.embedder.errors import EmbedderOverloadedError
+from chatroute.failover.timeouts import DeadlineExceededError
 from chatroute.providers.errors import FailureKind, ProviderError, kind_for_status
 
 __all__ = [
@@ -133,12 +134,20 @@ def error_from_exception(exc: BaseException, redact: Redactor | None = None) -> 
 
     Provider errors map by their failure kind: 429 when rate limited, 502 for connection
     failures, upstream 5xx, rejected credentials and broken streams, 503/504 passed on,
-    504 for timeouts, and the upstream's own 4xx for the caller's bad requests. An
-    overloaded embedder answers 503 with Retry-After.
+    504 for timeouts, and the upstream's own 4xx for the caller's bad requests. A request
+    deadline that ran out between attempts is 504 `deadline_exceeded`. An overloaded
+    embedder answers 503 with Retry-After.
     """
     clean = redact or Redactor()
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, DeadlineExceededError):
+        # The deadline ran out between attempts: say so, and how the last attempt failed.
+        message = str(exc)
+        cause = exc.__cause__
+        if cause is not None:
+            message += f"; the last attempt failed: {error_from_exception(cause, clean).message}"
+        return APIError(504, clean(message), type="timeout_error", code="deadline_exceeded")
     if isinstance(exc, ProviderError):
         return _from_provider_error(exc, clean)
     if isinstance(exc, EmbedderOverloadedError):

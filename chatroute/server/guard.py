@@ -1,16 +1,20 @@
-"""ASGI middleware: bearer keys on /v1/* and a cap on body size, checked before the app runs."""
+"""ASGI middleware: bearer keys, body size and read time, and JSON sanity, checked up front."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import math
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatroute.server.errors import APIError
 
-__all__ = ["RequestGuard", "send_error"]
+__all__ = ["RequestGuard", "check_json", "send_error"]
 
 
 async def send_error(send: Send, error: APIError) -> None:
@@ -29,18 +33,104 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _NotJSON(ValueError):
+    pass
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJSON(f"the body contains {name}, which is not valid JSON")
+
+
+def check_json(body: bytes, max_depth: int) -> APIError | None:
+    """The error for a JSON body the app must not see, or None (bodies that are not JSON at
+    all are left to the app, which explains what it expected).
+
+    Refused: bytes that are not UTF-8, `NaN` / `Infinity` (and numbers too large for a
+    float, which would become one), nesting deeper than `max_depth` arrays and objects,
+    and strings holding unpaired UTF-16 surrogates (`"\\ud800"`), which cannot be
+    encoded to send upstream.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return APIError(
+            400, f"the body is not valid UTF-8 (at byte {exc.start})", code="invalid_encoding"
+        )
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except _NotJSON as exc:
+        return APIError(400, str(exc), code="invalid_json")
+    except RecursionError:
+        return _too_deep(max_depth)
+    except ValueError:
+        return None
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > max_depth:
+                return _too_deep(max_depth)
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return _bad_surrogate()
+                if isinstance(item, dict | list | str | float):
+                    stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            if depth > max_depth:
+                return _too_deep(max_depth)
+            stack.extend(
+                (item, depth + 1) for item in value if isinstance(item, dict | list | str | float)
+            )
+        elif isinstance(value, str):
+            if _SURROGATE.search(value):
+                return _bad_surrogate()
+        elif isinstance(value, float) and not math.isfinite(value):
+            return APIError(
+                400, "the body contains a number too large for JSON", code="invalid_json"
+            )
+    return None
+
+
+def _too_deep(max_depth: int) -> APIError:
+    return APIError(400, f"the JSON body nests deeper than {max_depth} levels", code="invalid_body")
+
+
+def _bad_surrogate() -> APIError:
+    return APIError(
+        400, "the body contains an unpaired UTF-16 surrogate escape", code="invalid_encoding"
+    )
+
+
 class RequestGuard:
-    """Rejects `/v1/*` calls without a valid `Authorization: Bearer` key (when keys are set),
-    and bodies over `max_body_bytes` (413), before any parsing happens.
+    """Checks every request before the app parses it.
+
+    - `/v1/*` calls need a valid `Authorization: Bearer` key (when keys are set): 401.
+    - Bodies over `max_body_bytes` are refused (413), and so are bodies that do not arrive
+      within `body_timeout` seconds (408: slow senders cannot hold a worker).
+    - JSON bodies on `/v1/*` must be UTF-8, nest at most `max_json_depth` levels and carry
+      no `NaN`, `Infinity` or unpaired surrogates (400, see `check_json`).
 
     The body is read here, bounded, and replayed to the app; later `receive` calls (the
     disconnect message) go to the server as usual.
     """
 
-    def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: Sequence[str],
+        max_body_bytes: int,
+        max_json_depth: int = 64,
+        body_timeout: float | None = 30.0,
+    ) -> None:
         self.app = app
         self._keys = [key.encode() for key in api_keys if key]
         self.max_body_bytes = max_body_bytes
+        self.max_json_depth = max_json_depth
+        self.body_timeout = body_timeout
 
     def _authorised(self, scope: Scope) -> bool:
         if not self._keys:
@@ -78,7 +168,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         try:
-            body = await self._read_body(scope, receive)
+            async with asyncio.timeout(self.body_timeout):
+                body = await self._read_body(scope, receive)
         except _BodyTooLarge:
             await send_error(
                 send,
@@ -89,8 +180,24 @@ class RequestGuard:
                 ),
             )
             return
+        except TimeoutError:
+            await send_error(
+                send,
+                APIError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    code="request_timeout",
+                    headers={"connection": "close"},
+                ),
+            )
+            return
         if body is None:  # the client left before sending the whole body
             return
+        if body and path.startswith("/v1/"):
+            problem = check_json(body, self.max_json_depth)
+            if problem is not None:
+                await send_error(send, problem)
+                return
         replayed = False
 
         async def replay() -> Message:

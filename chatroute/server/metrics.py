@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from chatroute.failover.breaker import BreakerState, CircuitBreakerRegistry
 from chatroute.server.tracing import RequestTrace
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "ServiceMetrics"]
@@ -91,6 +94,47 @@ class ServiceMetrics:
             registry=r,
         )
         self.ready = Gauge("chatroute_ready", "1 when the service is ready.", registry=r)
+        self.breaker_transitions = Counter(
+            "chatroute_breaker_transitions",
+            "Circuit breaker state changes, by provider and the states left and entered.",
+            ["provider", "from_state", "to_state"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "chatroute_cancelled_requests",
+            "Chat requests cut short on the caller's side (disconnect or deadline), by route "
+            "and whether output had reached the caller.",
+            ["route", "reason", "stage"],
+            registry=r,
+        )
+        self._breaker_collector: _BreakerCollector | None = None
+
+    def watch_breakers(self, breakers: CircuitBreakerRegistry) -> Callable[[], None]:
+        """Export the state of every breaker in `breakers` and count their transitions.
+
+        Returns the undo (stop exporting; transitions stop being counted).
+        """
+        if self._breaker_collector is not None:
+            self.registry.unregister(self._breaker_collector)
+        collector = _BreakerCollector(breakers)
+        self.registry.register(collector)
+        self._breaker_collector = collector
+        active = True
+
+        def count(provider: str, old: BreakerState, new: BreakerState) -> None:
+            if active:
+                self.breaker_transitions.labels(provider, old.value, new.value).inc()
+
+        breakers.add_listener(count)
+
+        def undo() -> None:
+            nonlocal active
+            active = False
+            if self._breaker_collector is collector:
+                self.registry.unregister(collector)
+                self._breaker_collector = None
+
+        return undo
 
     def watch_queue_depth(self, read: Callable[[], float]) -> None:
         """Report the embedder's queue depth by calling `read` at each scrape."""
@@ -114,6 +158,12 @@ class ServiceMetrics:
         for route, provider in trace.selections[:-1]:
             self.failovers.labels(route, provider).inc()
 
+    def observe_cancellation(self, trace: RequestTrace) -> None:
+        """Count a chat request its caller cut short (a disconnect or the deadline)."""
+        if trace.cancelled is not None:
+            stage = "after_output" if trace.committed else "before_output"
+            self.cancellations.labels(trace.route or "", trace.cancelled, stage).inc()
+
     def observe_request(self, endpoint: str, route: str, status: int, seconds: float) -> None:
         """Record one answered request."""
         self.requests.labels(endpoint, route, str(status)).inc()
@@ -122,3 +172,34 @@ class ServiceMetrics:
     def render(self) -> bytes:
         """The exposition text of every metric."""
         return generate_latest(self.registry)
+
+
+class _BreakerCollector(Collector):
+    """`chatroute_breaker_state{provider, state}`: 1 for each provider's current state."""
+
+    def __init__(self, breakers: CircuitBreakerRegistry) -> None:
+        self._breakers = breakers
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "chatroute_breaker_state",
+            "Circuit breaker state per provider: 1 for the current state, 0 for the others.",
+            labels=["provider", "state"],
+        )
+        failures = GaugeMetricFamily(
+            "chatroute_breaker_window_failure_rate",
+            "Share of failed attempts in each provider's breaker window (0 when empty).",
+            labels=["provider"],
+        )
+        for breaker in self._breakers:
+            snapshot = breaker.snapshot()
+            for state in BreakerState:
+                family.add_metric(
+                    [breaker.name, state.value], 1.0 if snapshot.state is state else 0.0
+                )
+            failures.add_metric([breaker.name], snapshot.failure_rate)
+        yield family
+        yield failures
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -47,12 +47,22 @@ _ROLES = {
 }
 
 
+# Types are strict everywhere (no "yes" for a bool, no "0.5" for a number, no 5 for a
+# string), as the OpenAI API itself checks them.
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Open(BaseModel):
+    # Unknown fields are kept aside (in `model_extra`) and ignored: OpenAI clients send
+    # fields a gateway has no use for, and rejecting them breaks those clients.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ContentPart(_Lenient):
@@ -113,8 +123,8 @@ Temperature = Annotated[float, Field(ge=0, le=2)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
-class ChatCompletionRequest(_Strict):
-    """The body of `POST /v1/chat/completions`."""
+class ChatCompletionRequest(_Open):
+    """The body of `POST /v1/chat/completions`; unknown fields are accepted and ignored."""
 
     model: str | None = None
     messages: list[WireMessage] = Field(min_length=1)

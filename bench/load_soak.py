@@ -1,0 +1,605 @@
+"""Soak test: many concurrent streaming clients through the real service, with injected faults.
+
+Run (defaults: 200 streaming clients, 5 minutes, 2% mixed faults, 30 s warm-up):
+
+    .venv/bin/python bench/load_soak.py [--clients 200] [--duration 300] [--fault-rate 0.02]
+        [--warmup 30] [--plain-share 0.0] [--chunks 20] [--chunk-delay 0.1]
+        [--first-token-delay 0.1] [--seed 1] [--json PATH]
+
+The service runs in its own process (`chatroute.server.create_app` under uvicorn, the
+real default-model embedder on CPU), in front of three scripted OpenAI-compatible fake
+upstreams on 127.0.0.1 (tests/fakes/upstream.py) that answer each request with text
+derived from its id and inject a fault (reset, 5xx, 429, hang, slow first token, error
+event, malformed first or later chunk, cut, stall, truncation) at the given rate. The
+clients (httpx, one asyncio loop) and the fakes share this process.
+
+Reported, as a markdown section on stdout:
+- lost (no answer, or a transport error), truncated-as-complete (a stream that ends with
+  [DONE] but whose text is not the whole answer, or whose serving attempt broke after
+  output), over-budget (more upstream attempts than the route's budget) — all must be 0;
+- added latency p50/p99: client-observed time of a request served at the first attempt
+  by a healthy upstream, minus that upstream's own time for it;
+- service RSS and open file descriptors after the warm-up and at the end;
+- failover time to a healthy fallback when the primary accepts and never answers
+  (first-token timeout + one connect + the fallback's first token), and how fast the
+  upstream sees the connection closed when a caller disconnects (target: 100 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+import yaml
+
+from bench._common import command, machine, pct, table
+from tests.fakes import (
+    Behaviour,
+    Cut,
+    ErrorEvent,
+    FakeUpstream,
+    Hang,
+    Malformed,
+    Ok,
+    RateLimited,
+    Request,
+    Reset,
+    ServerError,
+    SlowFirstToken,
+    Stall,
+    Truncated,
+)
+
+BUDGETS = {"a": 3, "b": 2, "c": 3}
+# The soak routes' limits: generous, so that only injected faults (hang, stall, slow first
+# token) hit them, not a service that is merely busy.
+FIRST_TOKEN_TIMEOUT = 5.0
+STALL_TIMEOUT = 5.0
+# The silent primary of the failover measurement.
+FAILOVER_FIRST_TOKEN_TIMEOUT = 1.0
+AFTER_OUTPUT = ("cut", "stall", "malformed_late", "truncated")
+FAULTS = (
+    "reset",
+    "server_error",
+    "rate_limited",
+    "hang",
+    "slow_first_token",
+    "error_event",
+    "malformed_first",
+    *AFTER_OUTPUT,
+)
+SERVES_PLAIN = frozenset({"ok", "slow_first_token", "truncated", "error_event"})
+
+SERVE = (
+    "import sys, uvicorn\n"
+    "from chatroute.config import load_config\n"
+    "from chatroute.server import create_app\n"
+    "uvicorn.run(create_app(load_config(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]),"
+    " log_level='error', timeout_keep_alive=30, backlog=4096)\n"
+)
+
+
+# ------------------------------------------------------------------------ the upstreams
+
+
+@dataclass
+class Seen:
+    upstream: str
+    kind: str
+    request: Request
+
+
+class Injector:
+    """The fakes' handler: the right answer for a request's id, or (at `rate`) a fault."""
+
+    def __init__(
+        self, rate: float, seed: int, words: int, first_token_delay: float, chunk_delay: float
+    ) -> None:
+        self.rate = rate
+        self.random = random.Random(seed)
+        self.words = words
+        self.first_token_delay = first_token_delay
+        self.chunk_delay = chunk_delay
+        self.seen: dict[str, list[Seen]] = defaultdict(list)
+
+    def text(self, rid: str) -> str:
+        return " ".join([f"reply-{rid}", *(f"w{i}" for i in range(self.words - 1))])
+
+    def behaviour(self, kind: str, text: str) -> Behaviour:
+        first, gap = self.first_token_delay, self.chunk_delay
+        makers: dict[str, Callable[[], Behaviour]] = {
+            "ok": lambda: Ok(text, first_token_delay=first, chunk_delay=gap),
+            "reset": lambda: Reset(),
+            "server_error": lambda: ServerError(),
+            "rate_limited": lambda: RateLimited(retry_after=None),
+            "hang": lambda: Hang(),
+            "slow_first_token": lambda: SlowFirstToken(FIRST_TOKEN_TIMEOUT + 0.5, text),
+            "error_event": lambda: ErrorEvent(0, text=text),
+            "malformed_first": lambda: Malformed(0, text=text),
+            "cut": lambda: Cut(3, text=text, chunk_delay=gap),
+            "stall": lambda: Stall(3, text=text, chunk_delay=gap),
+            "malformed_late": lambda: Malformed(3, text=text),
+            "truncated": lambda: Truncated(3, text=text),
+        }
+        return makers[kind]()
+
+    def handler(self, upstream: str) -> Callable[[Request], Behaviour]:
+        def choose(request: Request) -> Behaviour:
+            rid = str(request.messages[-1]["content"]) if request.messages else "?"
+            kind = "ok"
+            if rid.startswith("soak-") and self.random.random() < self.rate:
+                kind = self.random.choice(FAULTS)
+            self.seen[rid].append(Seen(upstream, kind, request))
+            return self.behaviour(kind, self.text(rid))
+
+        return choose
+
+
+# ------------------------------------------------------------------------ the service
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def service_config(urls: dict[str, str]) -> dict[str, Any]:
+    def provider(name: str, first_token: float = FIRST_TOKEN_TIMEOUT) -> dict[str, Any]:
+        return {
+            "base_url": urls[name],
+            "model": f"{name}-model",
+            "timeouts": {
+                "connect": 2,
+                "attempt": 60,
+                "first_token": first_token,
+                "stall": STALL_TIMEOUT,
+            },
+            "max_connections": 1000,
+        }
+
+    return {
+        "server": {"log_level": "error"},
+        "embedder": {"model": "default", "device": "cpu"},
+        "routing": {"default_route": "a", "threshold": 0.3},
+        "resilience": {"deadline": 120, "breaker": {"minimum_requests": 20}},
+        "providers": {
+            **{name: provider(name) for name in ("p1", "p2", "p3")},
+            "dead": provider("dead", FAILOVER_FIRST_TOKEN_TIMEOUT),
+            "spare": provider("spare"),
+        },
+        "routes": {
+            "a": {"targets": ["p1", "p2", "p3"], "max_attempts": 3, "utterances": ["hello"]},
+            "b": {"targets": ["p2", "p3", "p1"], "max_attempts": 2},
+            "c": {"targets": ["p3", "p1"], "retry_same_provider": True, "max_attempts": 3},
+            "failover": {"targets": ["dead", "spare"]},
+            "dead_only": {"targets": ["dead"]},
+        },
+    }
+
+
+class Service:
+    """The service in a child process."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="chatroute-soak-")
+        path = Path(self.dir.name) / "chatroute.yaml"
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self.log = open(Path(self.dir.name) / "service.log", "w+b")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVE, str(path), str(self.port)],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError("the service exited:\n" + self.log.read().decode()[-3000:])
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError("the service did not get ready")
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.process.pid}/status", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+        return float("nan")
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.process.pid}/fd"))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the service process has used."""
+        with open(f"/proc/{self.process.pid}/stat", encoding="utf-8") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+        self.log.close()
+        self.dir.cleanup()
+
+
+# ------------------------------------------------------------------------ the clients
+
+
+@dataclass
+class Result:
+    rid: str
+    route: str
+    stream: bool
+    started: float
+    ended: float = 0.0
+    first_content: float | None = None
+    status: int | None = None
+    complete: bool = False
+    in_band_error: bool = False
+    text: str = ""
+    attempts_header: int | None = None
+    transport_error: str | None = None
+
+
+async def one_request(
+    client: httpx.AsyncClient, rid: str, route: str, stream: bool, limit: float
+) -> Result:
+    res = Result(rid, route, stream, time.monotonic())
+    body = {"model": route, "stream": stream, "messages": [{"role": "user", "content": rid}]}
+    try:
+        async with asyncio.timeout(limit):
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                res.status = response.status_code
+                header = response.headers.get("x-chatroute-attempts")
+                res.attempts_header = int(header) if header else None
+                if res.status != 200 or not stream:
+                    raw = await response.aread()
+                    res.ended = time.monotonic()
+                    if res.status == 200:
+                        message = json.loads(raw)["choices"][0]["message"]
+                        res.text, res.complete = message["content"] or "", True
+                    return res
+                parts: list[str] = []
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        res.complete = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        res.in_band_error = True
+                    elif event.get("choices"):
+                        piece = event["choices"][0]["delta"].get("content")
+                        if piece:
+                            if res.first_content is None:
+                                res.first_content = time.monotonic()
+                            parts.append(piece)
+                res.text = "".join(parts)
+    except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+        res.transport_error = repr(exc)
+    res.ended = time.monotonic()
+    return res
+
+
+@dataclass
+class Soak:
+    results: list[Result] = field(default_factory=list)
+    rss: list[tuple[float, float, int]] = field(default_factory=list)  # (t, MiB, fds)
+    service_cpu: float = 0.0  # share of one core, over the run
+    bench_cpu: float = 0.0
+
+
+async def soak(args: argparse.Namespace, service: Service) -> Soak:
+    out = Soak()
+    rng = random.Random(args.seed)
+    cpu_service, cpu_bench = service.cpu_seconds(), sum(os.times()[:2])
+    start = time.monotonic()
+    stop_at = start + args.duration
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=service.url, timeout=120, limits=limits) as client:
+
+        async def user(n: int) -> None:
+            count = 0
+            await asyncio.sleep(rng.random() * min(5.0, args.warmup))  # ramp up
+            while time.monotonic() < stop_at:
+                rid = f"soak-{n}-{count}"
+                count += 1
+                route = "abc"[(n + count) % 3]
+                stream = rng.random() >= args.plain_share
+                out.results.append(await one_request(client, rid, route, stream, 120))
+
+        async def sample() -> None:
+            while time.monotonic() < stop_at:
+                out.rss.append((time.monotonic() - start, service.rss_mib(), service.fds()))
+                await asyncio.sleep(2.0)
+
+        sampler = asyncio.ensure_future(sample())
+        await asyncio.gather(*(user(n) for n in range(args.clients)))
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    out.rss.append((time.monotonic() - start, service.rss_mib(), service.fds()))
+    wall = time.monotonic() - start
+    out.service_cpu = (service.cpu_seconds() - cpu_service) / wall
+    out.bench_cpu = (sum(os.times()[:2]) - cpu_bench) / wall
+    return out
+
+
+def verify(results: list[Result], injector: Injector, warmup_end: float) -> dict[str, Any]:
+    lost: list[str] = []
+    truncated_complete: list[str] = []
+    over_budget: list[str] = []
+    outcomes: Counter[str] = Counter()
+    added: list[float] = []
+    for res in results:
+        seen = injector.seen.get(res.rid, [])
+        budget = BUDGETS[res.route]
+        if len(seen) > budget or (res.attempts_header or 0) > budget:
+            over_budget.append(res.rid)
+        if res.transport_error is not None or res.status is None:
+            lost.append(f"{res.rid}: {res.transport_error}")
+            continue
+        expected = injector.text(res.rid)
+        if res.status == 200 and res.complete:
+            last = seen[-1].kind if seen else "?"
+            served = last == "ok" or (not res.stream and last in SERVES_PLAIN)
+            if res.text != expected or not served:
+                truncated_complete.append(res.rid)
+            outcomes["complete"] += 1
+            if len(seen) == 1 and last == "ok" and res.started >= warmup_end:
+                upstream = seen[0].request
+                if upstream.finished_at is not None:
+                    added.append(
+                        (res.ended - res.started) - (upstream.finished_at - upstream.arrived_at)
+                    )
+        elif res.status == 200:
+            outcomes["in-band error (broken after output)"] += 1
+            if not res.in_band_error:
+                lost.append(f"{res.rid}: ended with neither [DONE] nor an error")
+        else:
+            outcomes[f"HTTP {res.status}"] += 1
+        if len(seen) > 1:
+            outcomes["failed over"] += 1
+    return {
+        "lost": lost,
+        "truncated_as_complete": truncated_complete,
+        "over_budget": over_budget,
+        "outcomes": outcomes,
+        "added": added,
+    }
+
+
+# ------------------------------------------------------------------------ side measurements
+
+
+async def failover_time(service: Service, dead: FakeUpstream, samples: int) -> list[float]:
+    """Time to the first content byte when the primary accepts and never answers."""
+    dead.default = Hang()
+    times = []
+    async with httpx.AsyncClient(base_url=service.url, timeout=60) as client:
+        for n in range(samples):
+            body = {
+                "model": "failover",
+                "stream": True,
+                "messages": [{"role": "user", "content": f"failover-{n}"}],
+            }
+            started = time.monotonic()
+            first: float | None = None
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if first is None and '"content"' in line:
+                        first = time.monotonic() - started
+            if first is not None:
+                times.append(first)
+    return times
+
+
+async def disconnect_lag(service: Service, dead: FakeUpstream, samples: int) -> list[float]:
+    """How long after a caller closes its connection the upstream sees its own closed."""
+    dead.default = Hang()
+    lags = []
+    host, port = "127.0.0.1", service.port
+    for n in range(samples):
+        dead.reset()
+        dead.default = Hang()
+        body = json.dumps(
+            {
+                "model": "dead_only",
+                "stream": n % 2 == 0,
+                "messages": [{"role": "user", "content": f"disconnect-{n}"}],
+            }
+        ).encode()
+        _reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body
+        )
+        await writer.drain()
+        await dead.await_requests(1, timeout=10)
+        await asyncio.sleep(0.05)
+        left = time.monotonic()
+        writer.close()
+        closed = await dead.await_disconnect(0, timeout=10)
+        lags.append(closed - left)
+    return lags
+
+
+# ------------------------------------------------------------------------ report
+
+
+def report(
+    args: argparse.Namespace,
+    verdict: dict[str, Any],
+    run: Soak,
+    failover: list[float],
+    lags: list[float],
+    elapsed: float,
+) -> str:
+    results = run.results
+    warm = [s for s in run.rss if s[0] >= args.warmup]
+    rss_warm = warm[0][1] if warm else float("nan")
+    rss_end = run.rss[-1][1]
+    rss_max = max((s[1] for s in warm), default=float("nan"))
+    fds_warm = warm[0][2] if warm else 0
+    fds_end = run.rss[-1][2]
+    growth = (rss_end - rss_warm) / rss_warm * 100 if warm else float("nan")
+    added = verdict["added"]
+    streams = sum(1 for r in results if r.stream)
+    ms = 1000.0
+    events = sum(len(r.text.split()) for r in results)
+    rows = [
+        (
+            "requests",
+            f"{len(results)} ({streams} streamed) in {elapsed:.0f} s: "
+            f"{len(results) / elapsed:.1f} requests/s, {events / elapsed:.0f} content chunks/s",
+        ),
+        (
+            "CPU used (share of one core)",
+            f"service {run.service_cpu * 100:.0f}%, bench clients + fakes "
+            f"{run.bench_cpu * 100:.0f}% (of {os.cpu_count()} cores, load average "
+            f"{os.getloadavg()[0]:.1f} at the end)",
+        ),
+        ("lost", len(verdict["lost"])),
+        ("truncated reported as complete", len(verdict["truncated_as_complete"])),
+        ("over the attempt budget", len(verdict["over_budget"])),
+        (
+            "outcomes",
+            ", ".join(f"{k}: {v}" for k, v in sorted(verdict["outcomes"].items())),
+        ),
+        (
+            "added latency p50 / p99 (served at once, after warm-up)",
+            f"{pct(added, 0.5) * ms:.1f} ms / {pct(added, 0.99) * ms:.1f} ms (n={len(added)})",
+        ),
+        (
+            "service RSS after warm-up / max / end",
+            f"{rss_warm:.0f} / {rss_max:.0f} / {rss_end:.0f} MiB ({growth:+.1f}%)",
+        ),
+        ("service open fds after warm-up / end", f"{fds_warm} / {fds_end}"),
+        (
+            f"failover to a healthy fallback, primary silent (first-token timeout "
+            f"{FAILOVER_FIRST_TOKEN_TIMEOUT:g} s)",
+            f"median {statistics.median(failover) * ms:.0f} ms, max {max(failover) * ms:.0f} ms "
+            f"(n={len(failover)}; timeout + connect + fallback first token "
+            f"{args.first_token_delay * ms:.0f} ms)",
+        ),
+        (
+            "caller disconnect -> upstream connection closed",
+            f"median {statistics.median(lags) * ms:.1f} ms, max {max(lags) * ms:.1f} ms "
+            f"(n={len(lags)}; target 100 ms)",
+        ),
+    ]
+    lines = [
+        "## Resilience soak (bench/load_soak.py)",
+        "",
+        f"Command: `{command()}`",
+        "",
+        f"Machine: {machine()}. The service runs in its own process; the clients and the "
+        f"three fake upstreams share the bench process.",
+        "",
+        f"{args.clients} concurrent clients ({(1 - args.plain_share) * 100:.0f}% streaming), "
+        f"{args.duration:g} s with {args.warmup:g} s warm-up, {args.fault_rate * 100:g}% of "
+        f"upstream requests faulted (mixed: {', '.join(FAULTS)}). Upstream answers: "
+        f"{args.chunks} chunks, first token after {args.first_token_delay * ms:.0f} ms, "
+        f"{args.chunk_delay * ms:.0f} ms apart.",
+        "",
+        table(["measure", "value"], rows),
+    ]
+    for name in ("lost", "truncated_as_complete", "over_budget"):
+        if verdict[name]:
+            lines += ["", f"First {name}: {verdict[name][:5]}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds")
+    parser.add_argument("--fault-rate", type=float, default=0.02)
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds")
+    parser.add_argument("--plain-share", type=float, default=0.0, help="non-streaming share")
+    parser.add_argument("--chunks", type=int, default=20)
+    parser.add_argument("--chunk-delay", type=float, default=0.1, help="seconds")
+    parser.add_argument("--first-token-delay", type=float, default=0.1, help="seconds")
+    parser.add_argument("--failover-samples", type=int, default=5)
+    parser.add_argument("--disconnect-samples", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write raw figures here")
+    args = parser.parse_args()
+    if args.warmup >= args.duration:
+        parser.error("--warmup must be shorter than --duration")
+
+    injector = Injector(
+        args.fault_rate, args.seed, args.chunks, args.first_token_delay, args.chunk_delay
+    )
+    names = ("p1", "p2", "p3", "dead", "spare")
+    with contextlib.ExitStack() as stack:
+        ups = {name: stack.enter_context(FakeUpstream()) for name in names}
+        for name in ("p1", "p2", "p3"):
+            ups[name].handler = injector.handler(name)
+        ups["spare"].default = Ok(
+            "spare answer", first_token_delay=args.first_token_delay, chunk_delay=args.chunk_delay
+        )
+        service = Service(service_config({n: u.base_url for n, u in ups.items()}))
+        stack.callback(service.close)
+        service.wait_ready()
+        print(f"service ready on {service.url}; soaking for {args.duration:g} s", file=sys.stderr)
+        started = time.monotonic()
+        run = asyncio.run(soak(args, service))
+        elapsed = time.monotonic() - started
+        verdict = verify(run.results, injector, started + args.warmup)
+        failover = asyncio.run(failover_time(service, ups["dead"], args.failover_samples))
+        lags = asyncio.run(disconnect_lag(service, ups["dead"], args.disconnect_samples))
+        print(report(args, verdict, run, failover, lags, elapsed))
+        if args.json is not None:
+            raw = {
+                "lost": len(verdict["lost"]),
+                "truncated_as_complete": len(verdict["truncated_as_complete"]),
+                "over_budget": len(verdict["over_budget"]),
+                "outcomes": dict(verdict["outcomes"]),
+                "added_p50_s": pct(verdict["added"], 0.5),
+                "added_p99_s": pct(verdict["added"], 0.99),
+                "rss": run.rss,
+                "failover_s": failover,
+                "disconnect_lag_s": lags,
+            }
+            args.json.write_text(json.dumps(raw, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
