@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import datetime
 import functools
 import json
 import logging
@@ -12,7 +13,9 @@ import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import anyio
 import openai
+import pydantic
 
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import (
@@ -27,6 +30,7 @@ from chatroute.chat.types import (
     UsageDetails,
 )
 from chatroute.providers._http import http
+from chatroute.providers._network import use_asyncio_network
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
     MalformedResponseError,
@@ -84,6 +88,15 @@ _KEEP = _Keep()
 _RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
 
 
+def _json_default(value: object) -> Any:
+    """What the SDK's JSON encoder does with the non-JSON values it accepts."""
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(exclude_unset=True, mode="json", by_alias=True)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _positive(name: str, value: float | None) -> float | None:
     if value is None:
         return None
@@ -119,6 +132,79 @@ def _merge(held: list[ChatResponseUpdate], update: ChatResponseUpdate) -> ChatRe
         update.usage = update.usage or earlier.usage
         update.finish_reason = update.finish_reason or earlier.finish_reason
     return update
+
+
+class _SSEReader:
+    """Server-sent events from a body's byte chunks, as (event name, data) pairs.
+
+    Lines end in LF, CRLF or CR (a CRLF split across chunks included); a blank line
+    dispatches the event gathered so far (its `data:` lines joined by LF); comment lines
+    (`:` first) are skipped, as are unknown fields; one space after the colon is dropped.
+    An event left unterminated when the body ends is still returned. Text is UTF-8, bad
+    bytes replaced.
+    """
+
+    __slots__ = ("_chunks", "_data", "_event", "_lines", "_skip_lf", "_tail")
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._lines: list[bytes] = []
+        self._tail = b""
+        self._skip_lf = False
+        self._data: list[bytes] = []
+        self._event: bytes | None = None
+
+    def _feed(self, chunk: bytes) -> None:
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        lines = chunk.splitlines(keepends=True)
+        if lines and not lines[-1].endswith((b"\n", b"\r")):
+            self._tail = lines.pop()
+        elif chunk.endswith(b"\r"):
+            self._skip_lf = True  # the LF of a CRLF may open the next chunk
+        # Called only once every earlier line is consumed; lines are taken from the end.
+        lines.reverse()
+        self._lines.extend(lines)
+
+    def _dispatch(self) -> tuple[str | None, str]:
+        event = self._event.decode("utf-8", "replace") if self._event is not None else None
+        data = b"\n".join(self._data).decode("utf-8", "replace")
+        self._data = []
+        self._event = None
+        return event, data
+
+    async def next(self) -> tuple[str | None, str] | None:
+        """The next event, or None at the end of the body."""
+        lines = self._lines
+        while True:
+            while lines:
+                line = lines.pop().rstrip(b"\r\n")
+                if not line:
+                    if self._data:
+                        return self._dispatch()
+                    self._event = None
+                elif line[0] != 0x3A:  # not a ":" comment (keep-alive)
+                    name, _, value = line.partition(b":")
+                    if value[:1] == b" ":
+                        value = value[1:]
+                    if name == b"data":
+                        self._data.append(value)
+                    elif name == b"event":
+                        self._event = value
+            try:
+                chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                if self._tail:
+                    lines.append(self._tail)
+                    self._tail = b""
+                    continue
+                return self._dispatch() if self._data else None
+            self._feed(chunk)
 
 
 class OpenAIChatClient(ChatClient):
@@ -157,6 +243,12 @@ class OpenAIChatClient(ChatClient):
     bundle path or an `ssl.SSLContext`. The client owns the SDK client and its pooled HTTP
     client unless `http_client` is given (then that one is the caller's to close);
     `aclose()` is idempotent.
+
+    Per-request cost: the SDK client supplies the URL, headers, timeouts and error types,
+    but a call does not go through the SDK's per-request machinery; the request the SDK
+    would send is built here and sent on its HTTP client (see `_send`). An owned HTTP
+    client runs on a lean asyncio network backend (`chatroute.providers._network`) that
+    sends each request in one write; a given `http_client` is used as it is.
     """
 
     def __init__(
@@ -249,6 +341,8 @@ class OpenAIChatClient(ChatClient):
         if not api_key:
             # No key: send no Authorization header at all (local servers, vLLM, Ollama).
             self._extra_headers["Authorization"] = openai.omit
+        if self._owns_http:
+            use_asyncio_network(self._http)
         self._client = openai.AsyncOpenAI(
             api_key=api_key or "unused",
             base_url=self.base_url,
@@ -257,6 +351,10 @@ class OpenAIChatClient(ChatClient):
             default_headers=dict(default_headers) if default_headers else None,
             http_client=self._http,
         )
+        base = self._client.base_url
+        self._url = base.copy_with(raw_path=base.raw_path + b"chat/completions")
+        self._extensions: dict[str, Any] = {"timeout": timeout.as_dict()}
+        self._headers: http.Headers | None = None
 
     def __repr__(self) -> str:
         return (
@@ -323,31 +421,84 @@ class OpenAIChatClient(ChatClient):
             extra_body=self.extra_body,
         )
 
-    async def _send(self, body: dict[str, Any]) -> http.Response:
-        """POST the body through the SDK and return the raw, unread HTTP response.
+    def _request_headers(self) -> http.Headers:
+        """The headers the SDK sends on a chat-completions call, computed once per client.
 
-        The SDK builds and sends the request (auth, headers, base URL, timeouts) and turns
-        error statuses into its exceptions; the body is read here, as plain JSON, which is
-        far cheaper per chunk than the SDK's models and lets the stream be checked for
-        `[DONE]`, keep-alives and error events. Everything but the model goes in
-        `extra_body`, so the SDK sends the body exactly as built.
+        The HTTP client's defaults, then the SDK's (auth, user agent and platform headers,
+        `default_headers`), less what is omitted (no key: no `Authorization`), plus the
+        SDK's per-request `x-stainless-*` headers with its retries off. Built on first use,
+        on the event loop (the SDK names the async library in a header).
         """
-        extra = {k: v for k, v in body.items() if k != "model"}
+        headers = self._headers
+        if headers is None:
+            sdk = self._client
+            merged: dict[str, Any] = {
+                **sdk.auth_headers,
+                **sdk.default_headers,
+                **self._extra_headers,
+                "X-Stainless-Raw-Response": "stream",
+                "X-Stainless-Retry-Count": "0",
+            }
+            if self.read_timeout is not None:
+                merged["X-Stainless-Read-Timeout"] = str(self.read_timeout)
+            headers = http.Headers(self._http.headers)
+            for name, value in merged.items():
+                if isinstance(value, str):
+                    headers[name] = value
+                elif name in headers:
+                    del headers[name]  # omitted
+            self._headers = headers
+        return headers
+
+    async def _send(self, body: dict[str, Any]) -> http.Response:
+        """POST the body and return the raw, unread HTTP response of a 2xx answer.
+
+        The request is what the SDK's `chat.completions.create` sends (its URL, headers,
+        timeouts and JSON encoding, built once per client by `_request_headers`), sent on
+        the SDK's pooled HTTP client without the SDK's per-request machinery (options
+        models, parameter transforms, retry loop), which cost more than the rest of a
+        proxied call. Failures are the SDK's exceptions, made as the SDK makes them:
+        `APIStatusError` subclasses for non-2xx answers, `APITimeoutError` and
+        `APIConnectionError` for transport failures. The body is read by the caller, as
+        plain JSON, which is far cheaper per chunk than the SDK's models and lets the
+        stream be checked for `[DONE]`, keep-alives and error events.
+        """
         opened: list[http.Response] = []
         token = _OPENED.set(opened)
+        request: http.Request | None = None
         try:
-            api_response = await self._client.chat.completions.with_streaming_response.create(
-                model=body["model"],
-                messages=[],
-                extra_body=extra,
-                extra_headers=self._extra_headers,
-            ).__aenter__()
-            response: http.Response = api_response.http_response
+            request = http.Request(
+                "POST",
+                self._url,
+                headers=self._request_headers(),
+                content=json.dumps(
+                    body,
+                    ensure_ascii=False,
+                    separators=(",", ":"),
+                    allow_nan=False,
+                    default=_json_default,
+                ).encode(),
+                extensions=self._extensions,
+            )
+            if self._http.cookies:
+                http.Cookies(self._http.cookies).set_cookie_header(request)
+            try:
+                response = await self._http.send(request, stream=True)
+            except http.TimeoutException as exc:
+                raise openai.APITimeoutError(request=request) from exc
+            except (http.RequestError, ssl.SSLError, anyio.EndOfStream) as exc:
+                raise openai.APIConnectionError(request=request) from exc
+            if not response.is_success:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                raise self._client._make_status_error_from_response(response) from None
             return response
         except BaseException:
-            # The SDK can be interrupted (cancelled, timed out) after the response headers
-            # arrived but before it hands the response over; close what it opened so the
-            # connection goes at once instead of lingering until garbage collection.
+            # Interrupted (cancelled, timed out) after the response headers arrived but
+            # before it was handed over: close what was opened so the connection goes at
+            # once instead of lingering until garbage collection.
             for opened_response in opened:
                 if not opened_response.is_closed:
                     await _close_quietly(opened_response)
@@ -435,7 +586,7 @@ class OpenAIChatClient(ChatClient):
         total_deadline = started + self.request_timeout if self.request_timeout else None
         first_deadline = started + self.first_token_timeout if self.first_token_timeout else None
         response: http.Response | None = None
-        lines: AsyncIterator[str] | None = None
+        events: _SSEReader | None = None
         committed = False
         finished = False  # a finish reason or [DONE] arrived: the answer is complete
         done = False  # [DONE] arrived
@@ -448,31 +599,6 @@ class OpenAIChatClient(ChatClient):
                 return total_deadline, True
             return phase_deadline, False
 
-        async def read_event() -> tuple[str | None, str] | None:
-            """The next SSE event as (event name, data), or None at the end of the body."""
-            assert lines is not None
-            data: list[str] = []
-            event: str | None = None
-            while True:
-                try:
-                    line = await anext(lines)
-                except StopAsyncIteration:
-                    return (event, "\n".join(data)) if data else None
-                if not line:
-                    if data:
-                        return event, "\n".join(data)
-                    event = None
-                    continue
-                if line.startswith(":"):
-                    continue  # a comment: keep-alive
-                name, _, value = line.partition(":")
-                if value.startswith(" "):
-                    value = value[1:]
-                if name == "data":
-                    data.append(value)
-                elif name == "event":
-                    event = value
-
         async def next_step() -> Any:
             """Send the request or read the next event, under the phase's time limit."""
             if finished:
@@ -483,10 +609,16 @@ class OpenAIChatClient(ChatClient):
                 phase = first_deadline
             deadline, is_total = limit(phase)
             try:
+                if deadline is None:
+                    if response is None:
+                        return await self._send(body)
+                    assert events is not None
+                    return await events.next()
                 async with asyncio.timeout_at(deadline):
                     if response is None:
                         return await self._send(body)
-                    return await read_event()
+                    assert events is not None
+                    return await events.next()
             except TimeoutError as exc:
                 if isinstance(exc, ProviderError) or deadline is None:
                     raise
@@ -517,7 +649,7 @@ class OpenAIChatClient(ChatClient):
             except Exception as exc:
                 raise self._translate(exc) from exc
             assert response is not None
-            lines = response.aiter_lines()
+            events = _SSEReader(response.aiter_bytes())
 
             held: list[ChatResponseUpdate] = []
             usage: UsageDetails | None = None

