@@ -21,6 +21,7 @@ from chatroute.failover.breaker import (
     PermitKind,
 )
 from chatroute.failover.timeouts import DeadlineExceededError
+from chatroute.router.base import close_each_once
 from chatroute.router.context import RoutingContext
 
 if TYPE_CHECKING:
@@ -610,16 +611,4 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         self._closed = True
         if self._leave_open:
             return
-        first_failure: BaseException | None = None
-        seen: set[int] = set()
-        for client in self._clients:
-            if id(client) in seen:
-                continue
-            seen.add(id(client))
-            try:
-                await client.aclose()
-            except (Exception, asyncio.CancelledError) as exc:
-                if first_failure is None:
-                    first_failure = exc
-        if first_failure is not None:
-            raise first_failure
+        await close_each_once(self._clients)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Iterable
 
 from chatroute.chat.client import ChatClient
 from chatroute.failover.attempt import FailoverChatClientAttempt
 from chatroute.failover.base import FailoverChatClient
+from chatroute.router.base import close_each_once
 from chatroute.router.context import RoutingContext
 
 __all__ = ["OrderedFailoverChatClient"]
@@ -107,16 +107,4 @@ class OrderedFailoverChatClient(FailoverChatClient):
         self._closed = True
         if self._leave_open:
             return
-        first_failure: BaseException | None = None
-        seen: set[int] = set()
-        for client in self._clients:
-            if id(client) in seen:
-                continue
-            seen.add(id(client))
-            try:
-                await client.aclose()
-            except (Exception, asyncio.CancelledError) as exc:
-                if first_failure is None:
-                    first_failure = exc
-        if first_failure is not None:
-            raise first_failure
+        await close_each_once(self._clients)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
 from chatroute.router.context import RoutingContext
 
-__all__ = ["RoutingChatClient", "close_iterator"]
+__all__ = ["RoutingChatClient", "close_each_once", "close_iterator"]
 
 Selector = Callable[[RoutingContext], "ChatClient | Awaitable[ChatClient]"]
 
@@ -21,6 +22,24 @@ async def close_iterator(iterator: Any) -> None:
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+async def close_each_once(clients: Iterable[Any]) -> None:
+    """Close each distinct object (by identity) once, in order; a failing close does not stop
+    the others, and the first failure is re-raised after all were tried."""
+    first_failure: BaseException | None = None
+    seen: set[int] = set()
+    for client in clients:
+        if id(client) in seen:
+            continue
+        seen.add(id(client))
+        try:
+            await client.aclose()
+        except (Exception, asyncio.CancelledError) as exc:
+            if first_failure is None:
+                first_failure = exc
+    if first_failure is not None:
+        raise first_failure
 
 
 def _check_selected(client: ChatClient | None) -> ChatClient:
