@@ -3,15 +3,18 @@
 Run (defaults: 200 streaming clients, 5 minutes, 2% mixed faults, 30 s warm-up):
 
     .venv/bin/python bench/load_soak.py [--clients 200] [--duration 300] [--fault-rate 0.02]
-        [--warmup 30] [--plain-share 0.0] [--chunks 20] [--chunk-delay 0.1]
-        [--first-token-delay 0.1] [--seed 1] [--json PATH]
+        [--warmup 30] [--plain-share 0.0] [--chunks 20] [--chunk-delay 0.25]
+        [--first-token-delay 0.25] [--seed 1] [--json PATH]
+
+The upstream pacing sets the load: with the defaults each answer streams for about 5.5 s,
+so 200 clients ask for about 36 requests and 760 chunks per second.
 
 The service runs in its own process (`chatroute.server.create_app` under uvicorn, the
 real default-model embedder on CPU), in front of three scripted OpenAI-compatible fake
-upstreams on 127.0.0.1 (tests/fakes/upstream.py) that answer each request with text
-derived from its id and inject a fault (reset, 5xx, 429, hang, slow first token, error
-event, malformed first or later chunk, cut, stall, truncation) at the given rate. The
-clients (httpx, one asyncio loop) and the fakes share this process.
+upstreams on 127.0.0.1 (tests/fakes/upstream.py, each in a child process) that
+answer each request with text derived from its id and inject a fault (reset, 5xx, 429,
+hang, slow first token, error event, malformed first or later chunk, cut, stall,
+truncation) at the given rate. The clients (httpx, one asyncio loop) run in this process.
 
 Reported, as a markdown section on stdout:
 - lost (no answer, or a transport error), truncated-as-complete (a stream that ends with
@@ -102,9 +105,17 @@ SERVE = (
 
 @dataclass
 class Seen:
+    """What one upstream did with one request (times on the shared monotonic clock)."""
+
     upstream: str
     kind: str
-    request: Request
+    arrived_at: float
+    finished_at: float | None = None
+
+
+def answer_text(rid: str, words: int) -> str:
+    """The answer the upstreams give to the request with id `rid`."""
+    return " ".join([f"reply-{rid}", *(f"w{i}" for i in range(words - 1))])
 
 
 class Injector:
@@ -118,10 +129,19 @@ class Injector:
         self.words = words
         self.first_token_delay = first_token_delay
         self.chunk_delay = chunk_delay
-        self.seen: dict[str, list[Seen]] = defaultdict(list)
+        self.seen: dict[str, list[tuple[Seen, Request]]] = defaultdict(list)
 
     def text(self, rid: str) -> str:
-        return " ".join([f"reply-{rid}", *(f"w{i}" for i in range(self.words - 1))])
+        return answer_text(rid, self.words)
+
+    def records(self) -> dict[str, list[Seen]]:
+        """What the upstreams did, by request id."""
+        out: dict[str, list[Seen]] = {}
+        for rid, items in self.seen.items():
+            for seen, request in items:
+                seen.finished_at = request.finished_at
+            out[rid] = [seen for seen, _ in items]
+        return out
 
     def behaviour(self, kind: str, text: str) -> Behaviour:
         first, gap = self.first_token_delay, self.chunk_delay
@@ -147,10 +167,85 @@ class Injector:
             kind = "ok"
             if rid.startswith("soak-") and self.random.random() < self.rate:
                 kind = self.random.choice(FAULTS)
-            self.seen[rid].append(Seen(upstream, kind, request))
+            self.seen[rid].append((Seen(upstream, kind, request.arrived_at), request))
             return self.behaviour(kind, self.text(rid))
 
         return choose
+
+
+FAULTY = ("p1", "p2", "p3")
+
+
+def run_fake_child(args: argparse.Namespace) -> None:
+    """Child mode: serve one faulting upstream in this process (each upstream gets a
+    process, so that no two event loops share an interpreter lock); print its base URL,
+    then on a `dump PATH` line from stdin write what it did and exit."""
+    name = args.fake_child
+    seed = args.seed * 1000 + FAULTY.index(name)
+    injector = Injector(
+        args.fault_rate, seed, args.chunks, args.first_token_delay, args.chunk_delay
+    )
+    with FakeUpstream() as up:
+        up.handler = injector.handler(name)
+        print(up.base_url, flush=True)
+        for line in sys.stdin:
+            if line.startswith("dump "):
+                records = {
+                    rid: [[s.upstream, s.kind, s.arrived_at, s.finished_at] for s in seen]
+                    for rid, seen in injector.records().items()
+                }
+                Path(line[5:].strip()).write_text(json.dumps(records), encoding="utf-8")
+                return
+
+
+class FakesChild:
+    """The faulting upstreams, one child process each (see `run_fake_child`)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.processes: dict[str, subprocess.Popen[str]] = {}
+        self.urls: dict[str, str] = {}
+        for name in FAULTY:
+            command_line = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                f"--fake-child={name}",
+                f"--fault-rate={args.fault_rate}",
+                f"--seed={args.seed}",
+                f"--chunks={args.chunks}",
+                f"--chunk-delay={args.chunk_delay}",
+                f"--first-token-delay={args.first_token_delay}",
+            ]
+            process = subprocess.Popen(
+                command_line, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            self.processes[name] = process
+            assert process.stdout is not None
+            line = process.stdout.readline().strip()
+            if not line:
+                raise RuntimeError(f"the fake upstream {name} did not start")
+            self.urls[name] = line
+
+    def records(self) -> dict[str, list[Seen]]:
+        """Stop the upstreams and return what they did, by request id."""
+        out: dict[str, list[Seen]] = defaultdict(list)
+        with tempfile.TemporaryDirectory() as folder:
+            for name, process in self.processes.items():
+                assert process.stdin is not None
+                path = Path(folder) / f"{name}.json"
+                process.stdin.write(f"dump {path}\n")
+                process.stdin.flush()
+                process.wait(60)
+                for rid, items in json.loads(path.read_text(encoding="utf-8")).items():
+                    out[rid].extend(Seen(*item) for item in items)
+        for seen in out.values():
+            seen.sort(key=lambda item: item.arrived_at)
+        return dict(out)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
 
 
 # ------------------------------------------------------------------------ the service
@@ -358,21 +453,23 @@ async def soak(args: argparse.Namespace, service: Service) -> Soak:
     return out
 
 
-def verify(results: list[Result], injector: Injector, warmup_end: float) -> dict[str, Any]:
+def verify(
+    results: list[Result], records: dict[str, list[Seen]], words: int, warmup_end: float
+) -> dict[str, Any]:
     lost: list[str] = []
     truncated_complete: list[str] = []
     over_budget: list[str] = []
     outcomes: Counter[str] = Counter()
     added: list[float] = []
     for res in results:
-        seen = injector.seen.get(res.rid, [])
+        seen = records.get(res.rid, [])
         budget = BUDGETS[res.route]
         if len(seen) > budget or (res.attempts_header or 0) > budget:
             over_budget.append(res.rid)
         if res.transport_error is not None or res.status is None:
             lost.append(f"{res.rid}: {res.transport_error}")
             continue
-        expected = injector.text(res.rid)
+        expected = answer_text(res.rid, words)
         if res.status == 200 and res.complete:
             last = seen[-1].kind if seen else "?"
             served = last == "ok" or (not res.stream and last in SERVES_PLAIN)
@@ -380,7 +477,7 @@ def verify(results: list[Result], injector: Injector, warmup_end: float) -> dict
                 truncated_complete.append(res.rid)
             outcomes["complete"] += 1
             if len(seen) == 1 and last == "ok" and res.started >= warmup_end:
-                upstream = seen[0].request
+                upstream = seen[0]
                 if upstream.finished_at is not None:
                     added.append(
                         (res.ended - res.started) - (upstream.finished_at - upstream.arrived_at)
@@ -491,7 +588,7 @@ def report(
         ),
         (
             "CPU used (share of one core)",
-            f"service {run.service_cpu * 100:.0f}%, bench clients + fakes "
+            f"service {run.service_cpu * 100:.0f}%, bench clients "
             f"{run.bench_cpu * 100:.0f}% (of {os.cpu_count()} cores, load average "
             f"{os.getloadavg()[0]:.1f} at the end)",
         ),
@@ -529,8 +626,8 @@ def report(
         "",
         f"Command: `{command()}`",
         "",
-        f"Machine: {machine()}. The service runs in its own process; the clients and the "
-        f"three fake upstreams share the bench process.",
+        f"Machine: {machine()}. The service, the clients and each of the three "
+        f"faulting upstreams run in processes of their own.",
         "",
         f"{args.clients} concurrent clients ({(1 - args.plain_share) * 100:.0f}% streaming), "
         f"{args.duration:g} s with {args.warmup:g} s warm-up, {args.fault_rate * 100:g}% of "
@@ -554,35 +651,36 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds")
     parser.add_argument("--plain-share", type=float, default=0.0, help="non-streaming share")
     parser.add_argument("--chunks", type=int, default=20)
-    parser.add_argument("--chunk-delay", type=float, default=0.1, help="seconds")
-    parser.add_argument("--first-token-delay", type=float, default=0.1, help="seconds")
+    parser.add_argument("--chunk-delay", type=float, default=0.25, help="seconds")
+    parser.add_argument("--first-token-delay", type=float, default=0.25, help="seconds")
     parser.add_argument("--failover-samples", type=int, default=5)
     parser.add_argument("--disconnect-samples", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write raw figures here")
+    parser.add_argument("--fake-child", choices=FAULTY, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fake_child:
+        run_fake_child(args)
+        return
     if args.warmup >= args.duration:
         parser.error("--warmup must be shorter than --duration")
 
-    injector = Injector(
-        args.fault_rate, args.seed, args.chunks, args.first_token_delay, args.chunk_delay
-    )
-    names = ("p1", "p2", "p3", "dead", "spare")
     with contextlib.ExitStack() as stack:
-        ups = {name: stack.enter_context(FakeUpstream()) for name in names}
-        for name in ("p1", "p2", "p3"):
-            ups[name].handler = injector.handler(name)
+        fakes = FakesChild(args)
+        stack.callback(fakes.close)
+        ups = {name: stack.enter_context(FakeUpstream()) for name in ("dead", "spare")}
         ups["spare"].default = Ok(
             "spare answer", first_token_delay=args.first_token_delay, chunk_delay=args.chunk_delay
         )
-        service = Service(service_config({n: u.base_url for n, u in ups.items()}))
+        urls = {**fakes.urls, **{name: up.base_url for name, up in ups.items()}}
+        service = Service(service_config(urls))
         stack.callback(service.close)
         service.wait_ready()
         print(f"service ready on {service.url}; soaking for {args.duration:g} s", file=sys.stderr)
         started = time.monotonic()
         run = asyncio.run(soak(args, service))
         elapsed = time.monotonic() - started
-        verdict = verify(run.results, injector, started + args.warmup)
+        verdict = verify(run.results, fakes.records(), args.chunks, started + args.warmup)
         failover = asyncio.run(failover_time(service, ups["dead"], args.failover_samples))
         lags = asyncio.run(disconnect_lag(service, ups["dead"], args.disconnect_samples))
         print(report(args, verdict, run, failover, lags, elapsed))
