@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test lint typecheck bench bench-core bench-routing clean
+.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,7 +55,10 @@ bench-core: $(STAMP)
 bench-routing: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/routing_clinc150.py
 
-bench: bench-core bench-routing
+bench-service: $(STAMP)
+	$(BIN)/python bench/service_bench.py
+
+bench: bench-core bench-routing bench-service
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache
