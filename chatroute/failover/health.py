@@ -21,7 +21,7 @@ from chatroute.failover.breaker import (
     PermitKind,
 )
 from chatroute.failover.timeouts import DeadlineExceededError
-from chatroute.router.base import close_each_once
+from chatroute.router.base import close_each_once, snapshot_clients
 from chatroute.router.context import RoutingContext
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         clock: Clock | None = None,
         sleep: Sleep | None = None,
     ) -> None:
-        snapshot = self._check_clients(clients)
+        snapshot = snapshot_clients(clients)
         for flag_name, flag in (
             ("retry_same_client", retry_same_client),
             ("leave_open", leave_open),
@@ -271,29 +271,6 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         self._closed = False
 
     # -- construction helpers ----------------------------------------------------------
-
-    @staticmethod
-    def _check_clients(clients: Iterable[ChatClient]) -> tuple[ChatClient, ...]:
-        if clients is None:
-            raise TypeError("clients must not be None")
-        if isinstance(clients, str | bytes):
-            raise TypeError("clients must be an iterable of ChatClient, not a string")
-        try:
-            snapshot = tuple(clients)
-        except TypeError:
-            raise TypeError(
-                f"clients must be an iterable of ChatClient, got {type(clients).__name__}"
-            ) from None
-        if not snapshot:
-            raise ValueError("clients must contain at least one client")
-        for position, client in enumerate(snapshot):
-            if client is None:
-                raise ValueError(f"clients[{position}] is None")
-            if not (hasattr(client, "get_response") and hasattr(client, "get_streaming_response")):
-                raise TypeError(
-                    f"clients[{position}] is not a chat client: {type(client).__name__}"
-                )
-        return snapshot
 
     @staticmethod
     def _resolve_names(

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from chatroute.chat.client import ChatClient
 from chatroute.failover.attempt import FailoverChatClientAttempt
 from chatroute.failover.base import FailoverChatClient
-from chatroute.router.base import close_each_once
+from chatroute.router.base import close_each_once, snapshot_clients
 from chatroute.router.context import RoutingContext
 
 __all__ = ["OrderedFailoverChatClient"]
@@ -26,25 +26,7 @@ class OrderedFailoverChatClient(FailoverChatClient):
     """
 
     def __init__(self, clients: Iterable[ChatClient], *, leave_open: bool = False) -> None:
-        if clients is None:
-            raise TypeError("clients must not be None")
-        if isinstance(clients, str | bytes):
-            raise TypeError("clients must be an iterable of ChatClient, not a string")
-        try:
-            snapshot = tuple(clients)
-        except TypeError:
-            raise TypeError(
-                f"clients must be an iterable of ChatClient, got {type(clients).__name__}"
-            ) from None
-        if not snapshot:
-            raise ValueError("clients must contain at least one client")
-        for position, client in enumerate(snapshot):
-            if client is None:
-                raise ValueError(f"clients[{position}] is None")
-            if not (hasattr(client, "get_response") and hasattr(client, "get_streaming_response")):
-                raise TypeError(
-                    f"clients[{position}] is not a chat client: {type(client).__name__}"
-                )
+        snapshot = snapshot_clients(clients)
         if not isinstance(leave_open, bool):
             raise TypeError(f"leave_open must be a bool, got {type(leave_open).__name__}")
         self._clients: tuple[ChatClient, ...] = snapshot

@@ -12,7 +12,7 @@ from chatroute.chat.client import ChatClient
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
 from chatroute.router.context import RoutingContext
 
-__all__ = ["RoutingChatClient", "close_each_once", "close_iterator"]
+__all__ = ["RoutingChatClient", "close_each_once", "close_iterator", "snapshot_clients"]
 
 Selector = Callable[[RoutingContext], "ChatClient | Awaitable[ChatClient]"]
 
@@ -40,6 +40,28 @@ async def close_each_once(clients: Iterable[Any]) -> None:
                 first_failure = exc
     if first_failure is not None:
         raise first_failure
+
+
+def snapshot_clients(clients: Iterable[ChatClient]) -> tuple[ChatClient, ...]:
+    """The clients as a tuple, after the checks every multi-client router makes."""
+    if clients is None:
+        raise TypeError("clients must not be None")
+    if isinstance(clients, str | bytes):
+        raise TypeError("clients must be an iterable of ChatClient, not a string")
+    try:
+        snapshot = tuple(clients)
+    except TypeError:
+        raise TypeError(
+            f"clients must be an iterable of ChatClient, got {type(clients).__name__}"
+        ) from None
+    if not snapshot:
+        raise ValueError("clients must contain at least one client")
+    for position, client in enumerate(snapshot):
+        if client is None:
+            raise ValueError(f"clients[{position}] is None")
+        if not (hasattr(client, "get_response") and hasattr(client, "get_streaming_response")):
+            raise TypeError(f"clients[{position}] is not a chat client: {type(client).__name__}")
+    return snapshot
 
 
 def _check_selected(client: ChatClient | None) -> ChatClient:
