@@ -14,12 +14,14 @@ real default-model embedder on CPU), in front of three scripted OpenAI-compatibl
 upstreams on 127.0.0.1 (tests/fakes/upstream.py, each in a child process) that
 answer each request with text derived from its id and inject a fault (reset, 5xx, 429,
 hang, slow first token, error event, malformed first or later chunk, cut, stall,
-truncation) at the given rate. The clients (httpx, one asyncio loop) run in this process.
+truncation) at the given rate. The clients run in this process, on one asyncio loop, each
+with its own keep-alive HTTP/1.1 connection (the clients' loop lag is reported, to show
+they did not set the pace).
 
 Reported, as a markdown section on stdout:
 - lost (no answer, or a transport error), truncated-as-complete (a stream that ends with
   [DONE] but whose text is not the whole answer, or whose serving attempt broke after
-  output), over-budget (more upstream attempts than the route's budget) — all must be 0;
+  output), over-budget (more upstream attempts than the route's budget): all must be 0;
 - added latency p50/p99: client-observed time of a request served at the first attempt
   by a healthy upstream, minus that upstream's own time for it;
 - service RSS and open file descriptors after the warm-up and at the end;
@@ -367,45 +369,110 @@ class Result:
     transport_error: str | None = None
 
 
-async def one_request(
-    client: httpx.AsyncClient, rid: str, route: str, stream: bool, limit: float
-) -> Result:
+def parse_stream(res: Result, body: str) -> None:
+    """Fill in what a streamed body said (parsed once it has all arrived: cheaper)."""
+    parts: list[str] = []
+    for block in body.split("\n\n"):
+        if not block.startswith("data: "):
+            continue
+        data = block[6:]
+        if data == "[DONE]":
+            res.complete = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            res.in_band_error = True
+        elif event.get("choices"):
+            piece = event["choices"][0]["delta"].get("content")
+            if piece:
+                parts.append(piece)
+    res.text = "".join(parts)
+
+
+class Caller:
+    """One user's keep-alive HTTP/1.1 connection to the service, spoken by hand.
+
+    A client library with a shared connection pool (httpx) spends more time managing its
+    pool than the service spends routing once hundreds of streams run at once, and would
+    set the pace; one plain connection per user keeps the clients cheap.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+    async def post(self, res: Result, body: bytes) -> bytes:
+        """Send one request; fill in status and headers; return the decoded body."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.reader, self.writer
+        assert reader is not None
+        writer.write(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {self.host}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body
+        )
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        res.status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        attempts = headers.get("x-chatroute-attempts")
+        res.attempts_header = int(attempts) if attempts else None
+        out = bytearray()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                data = await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                if res.first_content is None and b'"content"' in data:
+                    res.first_content = time.monotonic()
+                out += data[:-2]
+        else:
+            out += await reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return bytes(out)
+
+
+async def one_request(caller: Caller, rid: str, route: str, stream: bool, limit: float) -> Result:
     res = Result(rid, route, stream, time.monotonic())
     body = {"model": route, "stream": stream, "messages": [{"role": "user", "content": rid}]}
     try:
         async with asyncio.timeout(limit):
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                res.status = response.status_code
-                header = response.headers.get("x-chatroute-attempts")
-                res.attempts_header = int(header) if header else None
-                if res.status != 200 or not stream:
-                    raw = await response.aread()
-                    res.ended = time.monotonic()
-                    if res.status == 200:
-                        message = json.loads(raw)["choices"][0]["message"]
-                        res.text, res.complete = message["content"] or "", True
-                    return res
-                parts: list[str] = []
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        res.complete = True
-                        continue
-                    event = json.loads(data)
-                    if "error" in event:
-                        res.in_band_error = True
-                    elif event.get("choices"):
-                        piece = event["choices"][0]["delta"].get("content")
-                        if piece:
-                            if res.first_content is None:
-                                res.first_content = time.monotonic()
-                            parts.append(piece)
-                res.text = "".join(parts)
-    except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+            raw = await caller.post(res, json.dumps(body).encode())
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as exc:
         res.transport_error = repr(exc)
+        res.ended = time.monotonic()
+        await caller.close()
+        return res
     res.ended = time.monotonic()
+    try:
+        if res.status != 200:
+            if "error" not in json.loads(raw):
+                raise ValueError("an error answer without an OpenAI error object")
+        elif stream:
+            parse_stream(res, raw.decode())
+        else:
+            message = json.loads(raw)["choices"][0]["message"]
+            res.text, res.complete = message["content"] or "", True
+    except (ValueError, KeyError, TypeError) as exc:
+        res.transport_error = f"unreadable answer: {exc!r}"
     return res
 
 
@@ -415,6 +482,7 @@ class Soak:
     rss: list[tuple[float, float, int]] = field(default_factory=list)  # (t, MiB, fds)
     service_cpu: float = 0.0  # share of one core, over the run
     bench_cpu: float = 0.0
+    client_lag: list[float] = field(default_factory=list)  # the clients' event-loop lag
 
 
 async def soak(args: argparse.Namespace, service: Service) -> Soak:
@@ -423,29 +491,34 @@ async def soak(args: argparse.Namespace, service: Service) -> Soak:
     cpu_service, cpu_bench = service.cpu_seconds(), sum(os.times()[:2])
     start = time.monotonic()
     stop_at = start + args.duration
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=service.url, timeout=120, limits=limits) as client:
 
-        async def user(n: int) -> None:
-            count = 0
-            await asyncio.sleep(rng.random() * min(5.0, args.warmup))  # ramp up
-            while time.monotonic() < stop_at:
-                rid = f"soak-{n}-{count}"
-                count += 1
-                route = "abc"[(n + count) % 3]
-                stream = rng.random() >= args.plain_share
-                out.results.append(await one_request(client, rid, route, stream, 120))
+    async def user(n: int) -> None:
+        count = 0
+        caller = Caller("127.0.0.1", service.port)
+        await asyncio.sleep(rng.random() * min(5.0, args.warmup))  # ramp up
+        while time.monotonic() < stop_at:
+            rid = f"soak-{n}-{count}"
+            count += 1
+            route = "abc"[(n + count) % 3]
+            stream = rng.random() >= args.plain_share
+            out.results.append(await one_request(caller, rid, route, stream, 120))
+        await caller.close()
 
-        async def sample() -> None:
-            while time.monotonic() < stop_at:
-                out.rss.append((time.monotonic() - start, service.rss_mib(), service.fds()))
-                await asyncio.sleep(2.0)
+    async def sample() -> None:
+        next_rss = 0.0
+        while time.monotonic() < stop_at:
+            now = time.monotonic()
+            if now >= next_rss:
+                out.rss.append((now - start, service.rss_mib(), service.fds()))
+                next_rss = now + 2.0
+            await asyncio.sleep(0.1)
+            out.client_lag.append(time.monotonic() - now - 0.1)
 
-        sampler = asyncio.ensure_future(sample())
-        await asyncio.gather(*(user(n) for n in range(args.clients)))
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
+    sampler = asyncio.ensure_future(sample())
+    await asyncio.gather(*(user(n) for n in range(args.clients)))
+    sampler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampler
     out.rss.append((time.monotonic() - start, service.rss_mib(), service.fds()))
     wall = time.monotonic() - start
     out.service_cpu = (service.cpu_seconds() - cpu_service) / wall
@@ -585,6 +658,10 @@ def report(
             "requests",
             f"{len(results)} ({streams} streamed) in {elapsed:.0f} s: "
             f"{len(results) / elapsed:.1f} requests/s, {events / elapsed:.0f} content chunks/s",
+        ),
+        (
+            "the clients' event-loop lag p50 / p99 (a large lag means the clients set the pace)",
+            f"{pct(run.client_lag, 0.5) * ms:.0f} ms / {pct(run.client_lag, 0.99) * ms:.0f} ms",
         ),
         (
             "CPU used (share of one core)",

@@ -75,7 +75,13 @@ class _Strict(BaseModel):
 
 
 class ServerConfig(_Strict):
-    """Where the service listens and the limits it enforces on requests."""
+    """Where the service listens and the limits it enforces on requests.
+
+    `max_body_bytes`, `max_messages`, `max_message_chars` (per message), `max_json_depth`
+    and `max_classify_inputs` bound a request; `body_timeout` is how long a body may take
+    to arrive. `gc_freeze` moves everything loaded at start-up (model, index) out of the
+    garbage collector's reach, so full collections do not stall requests.
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -86,6 +92,7 @@ class ServerConfig(_Strict):
     max_json_depth: int = Field(default=64, ge=4, le=512)
     max_classify_inputs: int = Field(default=2048, ge=1)
     body_timeout: PositiveSeconds = 30.0
+    gc_freeze: bool = True
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
