@@ -18,7 +18,7 @@ truncation) at the given rate. The clients run in this process, on one asyncio l
 with its own keep-alive HTTP/1.1 connection (the clients' loop lag is reported, to show
 they did not set the pace).
 
-Reported, as a markdown section on stdout:
+Reported as a markdown section on stdout and in BENCHMARKS.md (`--no-write` to skip):
 - lost (no answer, or a transport error), truncated-as-complete (a stream that ends with
   [DONE] but whose text is not the whole answer, or whose serving attempt broke after
   output), over-budget (more upstream attempts than the route's budget): all must be 0;
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 import yaml
 
-from bench._common import command, machine, pct, table
+from bench._common import REPO, command, machine, pct, table, write_section
 from tests.fakes import (
     Behaviour,
     Cut,
@@ -734,6 +734,7 @@ def main() -> None:
     parser.add_argument("--disconnect-samples", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write raw figures here")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     parser.add_argument("--fake-child", choices=FAULTY, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fake_child:
@@ -760,7 +761,10 @@ def main() -> None:
         verdict = verify(run.results, fakes.records(), args.chunks, started + args.warmup)
         failover = asyncio.run(failover_time(service, ups["dead"], args.failover_samples))
         lags = asyncio.run(disconnect_lag(service, ups["dead"], args.disconnect_samples))
-        print(report(args, verdict, run, failover, lags, elapsed))
+        text = report(args, verdict, run, failover, lags, elapsed)
+        print(text)
+        if not args.no_write:
+            write_section(REPO / "BENCHMARKS.md", "soak", text)
         if args.json is not None:
             raw = {
                 "lost": len(verdict["lost"]),

@@ -113,6 +113,9 @@ def serve(
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
         timeout_graceful_shutdown=10,
+        # Longer than the usual 60 s idle timeout of proxies and load balancers in front,
+        # so they, not the service, close idle keep-alive connections (no reset races).
+        timeout_keep_alive=75,
     )
 
 
