@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,9 +38,10 @@ def build(urls: dict[str, str]) -> dict[str, Any]:
     return {
         "routing": {"default_route": "chain", "threshold": 0.3},
         "resilience": {"deadline": 60, "retry_after_max": 10},
-        "providers": {"primary": provider("primary"), "fallback": provider("fallback")},
+        "providers": {name: provider(name) for name in ("primary", "fallback", "unreachable")},
         "routes": {
             "chain": {"targets": ["primary", "fallback"], "utterances": ["hello there"]},
+            "connecting": {"targets": ["unreachable", "fallback"]},
             "backoff": {
                 "targets": ["primary", "fallback"],
                 "retry_same_provider": True,
@@ -49,11 +51,51 @@ def build(urls: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def connecting_sockets(port: int) -> int:
+    """How many local TCP sockets are still trying to connect (SYN_SENT) to `port`."""
+    count = 0
+    with open("/proc/net/tcp", encoding="ascii") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "02" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def unreachable() -> Iterator[int]:
+    """A port whose accept queue is full, so a connect to it hangs in the handshake (the
+    kernel drops the SYNs) until the connecting side gives up: a provider stuck connecting."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    deadline = time.monotonic() + 5
+    while connecting_sockets(port) < 1:  # the queue is full: later connects hang
+        assert time.monotonic() < deadline, "could not fill the accept queue"
+        time.sleep(0.01)
+    yield port
+    for filler in fillers:
+        filler.close()
+    listener.close()
+
+
 @pytest.fixture(scope="module")
 def stack(
     service_stack: Callable[..., contextlib.AbstractContextManager[ServiceStack]],
+    unreachable: int,
 ) -> Iterator[ServiceStack]:
-    with service_stack(build, ["primary", "fallback"]) as made:
+    def config(urls: dict[str, str]) -> dict[str, Any]:
+        return build({**urls, "unreachable": f"http://127.0.0.1:{unreachable}/v1"})
+
+    with service_stack(config, ["primary", "fallback"]) as made:
         yield made
 
 
@@ -132,6 +174,30 @@ async def assert_stopped(
         f'stage="{stage}"}}' in counted
     )
     return trace
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_disconnect_while_connecting_to_the_upstream(
+    stack: ServiceStack, unreachable: int, stream: bool
+) -> None:
+    before = connecting_sockets(unreachable)
+    caller = await RawCaller.post(stack, chat_body("connecting", stream))
+    deadline = time.monotonic() + 5
+    while connecting_sockets(unreachable) <= before:  # the service is in the handshake
+        assert time.monotonic() < deadline, "the service never started connecting"
+        await asyncio.sleep(0.01)
+    await caller.leave()
+    while connecting_sockets(unreachable) > before:  # it gave the connect up
+        assert time.monotonic() < deadline + 2, "the half-open connect was left behind"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(SETTLE)
+    assert stack.attempts() == {"primary": 0, "fallback": 0}  # no failover after leaving
+    trace = (await asyncio.to_thread(stack.wait_traces, 1))[0]
+    assert trace.cancelled == "disconnect" and trace.status == 499
+    assert [(r.provider, r.outcome) for r in trace.attempts] == [("unreachable", "cancelled")]
+    snapshot = stack.service.engine.breakers.get("unreachable").snapshot()
+    assert snapshot.failures == 0 and snapshot.state.value == "closed"
+    assert caller.received == b""
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
