@@ -1,4 +1,5 @@
-"""The provider's HTTP plumbing: the asyncio network backend, TLS, and the SSE event reader."""
+"""The provider's HTTP plumbing: its pooled aiohttp-backed client, transport failures, TLS and
+the SSE event reader."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from chatroute.chat import ChatMessage, ChatRole
-from chatroute.providers import OpenAIChatClient, ProviderConnectionError
-from chatroute.providers._http import core, http
-from chatroute.providers._network import (
-    _HIGH_WATER,
-    AsyncioNetworkBackend,
-    _AsyncioStream,
-    _Protocol,
-    use_asyncio_network,
+from chatroute.providers import (
+    FailureKind,
+    OpenAIChatClient,
+    ProviderConnectionError,
+    ProviderTimeoutError,
+    StreamInterruptedError,
+    classify,
 )
+from chatroute.providers._http import http
 from chatroute.providers.openai_compat import _SSEReader
 from tests.fakes import FakeUpstream, Ok
 
@@ -137,167 +139,96 @@ def port_of(server: asyncio.Server) -> int:
     return port
 
 
-# ----------------------------------------------------------------------- backend installation
+# ------------------------------------------------------------- the pooled client and its errors
 
 
-async def test_owned_client_uses_the_asyncio_backend_and_a_given_one_is_left_alone() -> None:
+async def test_an_owned_client_runs_on_aiohttp_and_a_given_one_is_left_alone() -> None:
     owned = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
     given_http = http.AsyncClient()
     given = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", http_client=given_http)
     try:
-        assert isinstance(owned._http._transport._pool._network_backend, AsyncioNetworkBackend)  # type: ignore[attr-defined]
-        backend = given_http._transport._pool._network_backend  # type: ignore[attr-defined]
-        assert not isinstance(backend, AsyncioNetworkBackend)
+        assert isinstance(owned._http, openai.DefaultAioHttpClient)
+        assert given._http is given_http
     finally:
         await owned.aclose()
         await given.aclose()
-        await given_http.aclose()
+    assert owned._http.is_closed and not given_http.is_closed
+    await given_http.aclose()
 
 
-async def test_install_refuses_custom_transports() -> None:
-    client = http.AsyncClient(transport=http.MockTransport(lambda request: http.Response(200)))
-    try:
-        assert use_asyncio_network(client) is False
-    finally:
-        await client.aclose()
-
-
-async def test_install_is_idempotent() -> None:
-    client = http.AsyncClient()
-    try:
-        assert use_asyncio_network(client) is True
-        backend = client._transport._pool._network_backend  # type: ignore[attr-defined]
-        assert use_asyncio_network(client) is True
-        assert client._transport._pool._network_backend is backend  # type: ignore[attr-defined]
-    finally:
-        await client.aclose()
-
-
-# --------------------------------------------------------------------------- the stream itself
-
-
-class FakeTransport(asyncio.Transport):
-    """Records writes and reading pauses; never touches a socket."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closing = False
-        self.read_pauses = 0
-        self.read_resumes = 0
-        self.resumed_with: list[Marker | None] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None:
-        self.read_pauses += 1
-
-    def resume_reading(self) -> None:
-        self.read_resumes += 1
-        self.resumed_with.append(REQUEST_STATE.get(None))
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-
-def fake_stream() -> tuple[_AsyncioStream, FakeTransport, _Protocol]:
-    transport = FakeTransport()
-    protocol = _Protocol()
-    protocol.connection_made(transport)
-    return _AsyncioStream(transport, protocol), transport, protocol
-
-
-async def test_request_head_and_body_leave_in_one_write_at_the_first_read() -> None:
-    stream, transport, protocol = fake_stream()
-    await stream.write(b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\n")
-    await stream.write(b"body")
-    await stream.write(b"")
-    assert transport.writes == []
-    protocol.data_received(b"HTTP/1.1 200 OK\r\n")
-    assert await stream.read(65536) == b"HTTP/1.1 200 OK\r\n"
-    assert transport.writes == [b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\nbody"]
-
-
-async def test_large_bodies_are_written_without_waiting_for_a_read() -> None:
-    stream, transport, _ = fake_stream()
-    await stream.write(b"x" * (300 * 1024))
-    assert len(transport.writes) == 1
-
-
-async def test_read_respects_max_bytes_and_pauses_a_flooding_upstream() -> None:
-    stream, transport, protocol = fake_stream()
-    protocol.data_received(b"a" * (_HIGH_WATER + 10))
-    assert transport.read_pauses == 1
-    first = await stream.read(_HIGH_WATER)
-    assert len(first) == _HIGH_WATER and transport.read_resumes == 1
-    assert await stream.read(100) == b"a" * 10
-
-
-async def test_reading_resumes_outside_the_request_context() -> None:
-    stream, transport, protocol = fake_stream()
-    token = REQUEST_STATE.set(Marker())
-    try:
-        protocol.data_received(b"a" * (_HIGH_WATER + 10))
-        await stream.read(_HIGH_WATER)
-    finally:
-        REQUEST_STATE.reset(token)
-    assert transport.resumed_with == [None]
-
-
-async def test_end_of_stream_and_broken_connections() -> None:
-    stream, _, protocol = fake_stream()
-    protocol.data_received(b"tail")
-    protocol.eof_received()
-    assert await stream.read(100) == b"tail"
-    assert await stream.read(100) == b""  # a clean end
-
-    broken, _, protocol = fake_stream()
-    protocol.connection_lost(ConnectionResetError("reset by peer"))
-    with pytest.raises(core.ReadError, match="reset by peer"):
-        await broken.read(100)
-    with pytest.raises(core.WriteError):
-        await broken.write(b"x" * (300 * 1024))
-
-
-async def test_a_reader_waits_for_data_and_times_out() -> None:
-    stream, _, protocol = fake_stream()
-    pending = asyncio.ensure_future(stream.read(100))
-    await asyncio.sleep(0)
-    assert not pending.done()
-    protocol.data_received(b"late")
-    assert await pending == b"late"
-    with pytest.raises(core.ReadTimeout):
-        await stream.read(100, timeout=0.01)
-
-
-async def test_a_write_waits_while_the_transport_is_full() -> None:
-    stream, transport, protocol = fake_stream()
-    protocol.pause_writing()
-    pending = asyncio.ensure_future(stream.write(b"x" * (300 * 1024)))
-    await asyncio.sleep(0)
-    assert not pending.done() and len(transport.writes) == 1
-    protocol.resume_writing()
-    await pending
-    protocol.pause_writing()
-    with pytest.raises(core.WriteTimeout):
-        await stream.write(b"y" * (300 * 1024), timeout=0.01)
-
-
-async def test_connect_errors_are_httpcore_errors() -> None:
-    backend = AsyncioNetworkBackend(core.AsyncNetworkBackend())
+async def test_a_refused_connection_is_a_connect_failure_not_a_timeout() -> None:
     server = await serve(lambda r, w: asyncio.sleep(0))
     port = port_of(server)
     server.close()
     await server.wait_closed()
-    with pytest.raises(core.ConnectError):
-        await backend.connect_tcp("127.0.0.1", port, timeout=5)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port}/v1")
+    try:
+        with pytest.raises(ProviderConnectionError) as caught:
+            await client.get_response(HI)
+        assert caught.value.kind is FailureKind.CONNECT
+        assert classify(caught.value.__cause__) is FailureKind.CONNECT  # type: ignore[arg-type]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_an_upstream_hanging_up_before_answering_is_a_connect_failure(stream: bool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()  # hang up without a status line
+
+    server = await serve(handler)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    try:
+        with pytest.raises(ProviderConnectionError) as caught:
+            if stream:
+                [u async for u in client.get_streaming_response(HI)]
+            else:
+                await client.get_response(HI)
+        assert caught.value.kind is FailureKind.CONNECT
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_a_silent_upstream_is_a_read_timeout() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)  # never answers within the read timeout
+        writer.close()
+
+    server = await serve(handler)
+    client = OpenAIChatClient(
+        "m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", read_timeout=0.2
+    )
+    try:
+        with pytest.raises(ProviderTimeoutError) as caught:
+            await client.get_response(HI)
+        assert caught.value.kind is FailureKind.TIMEOUT
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_a_body_cut_mid_stream_is_an_interrupted_stream() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        answer = sse_answer([chunk_event("one "), chunk_event("two")])
+        writer.write(answer[: answer.index(b"0\r\n\r\n") - 20])  # cut inside a chunk
+        await writer.drain()
+        writer.close()
+
+    server = await serve(handler)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    try:
+        received = []
+        with pytest.raises(StreamInterruptedError):
+            async for update in client.get_streaming_response(HI):
+                received.append(update.text)
+        assert received == ["one "]
+    finally:
+        await client.aclose()
+        server.close()
 
 
 # ------------------------------------------------------------------- end to end, TCP and TLS
@@ -324,16 +255,22 @@ async def test_a_pooled_connection_closed_by_the_upstream_is_replaced() -> None:
             response = await client.get_response(HI)
             assert response.text == "over tls"
             await closed.wait()
+            await asyncio.sleep(0.01)  # the client's event loop sees the close
         assert connections == 3
     finally:
         await client.aclose()
         server.close()
 
 
-async def test_pooled_connections_keep_no_request_context() -> None:
+async def test_request_contexts_do_not_pile_up_behind_pooled_connections() -> None:
+    """Per-request state (context variables) may outlive a request for a while: asyncio keeps
+    a cancelled timer, and the context it was made in, until it purges cancelled timers
+    (once they are over 100 and half of all timers), and a pooled connection keeps the
+    context of the request that opened it. It never piles up with traffic."""
     async with FakeUpstream() as up:
         up.default = Ok("pooled")
         client = OpenAIChatClient("m", base_url=up.base_url)
+        markers: list[weakref.ref[Marker]] = []
         try:
 
             async def request() -> weakref.ref[Marker]:
@@ -343,12 +280,14 @@ async def test_pooled_connections_keep_no_request_context() -> None:
                 return weakref.ref(marker)
 
             # Each request runs in its own task (and context), as the server's do.
-            first = await asyncio.create_task(request())
-            second = await asyncio.create_task(request())
+            for _ in range(400):
+                markers.append(await asyncio.create_task(request()))
             for _ in range(3):
-                await asyncio.sleep(0)  # let the finished request's callbacks run
+                await asyncio.sleep(0)  # let the finished requests' callbacks run
             gc.collect()
-            assert first() is None and second() is None  # the pooled connection let go
+            # The connection's reader keeps the context of the request that opened it.
+            assert all(ref() is None for ref in markers[1:300])
+            assert sum(ref() is not None for ref in markers) <= 110
             assert len({r.connection.id for r in up.requests}) == 1
         finally:
             await client.aclose()

@@ -37,6 +37,7 @@ __all__ = [
     "TruncatedStreamError",
     "UpstreamStreamError",
     "classify",
+    "is_timeout",
     "kind_for_status",
     "parse_retry_after",
     "redact",
@@ -396,6 +397,35 @@ _TRANSPORT_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of an explicit `raise ... from` chain."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether `exc` is a timeout (and not a broken connection reported as one).
+
+    The SDK's aiohttp transport maps every aiohttp connection error, timeout or not, to an
+    httpx `ConnectTimeout` (a refused connection and a server that hung up included), so
+    an httpx timeout caused by an aiohttp error counts as a timeout only when that aiohttp
+    error is one.
+    """
+    if not isinstance(exc, _TIMEOUT_TYPES):
+        return False
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__module__.split(".", 1)[0] == "aiohttp":
+            return isinstance(cause, TimeoutError)
+        cause = cause.__cause__
+    return True
+
+
 def classify(exc: BaseException) -> FailureKind:
     """The `FailureKind` of any exception a provider call may raise.
 
@@ -410,9 +440,9 @@ def classify(exc: BaseException) -> FailureKind:
     if isinstance(exc, openai.APIStatusError):
         etype, code, message = _error_fields(exc.body)
         return kind_for_status(exc.status_code, code or etype, message or exc.message)
-    if isinstance(exc, _TIMEOUT_TYPES):
+    if is_timeout(exc):
         return FailureKind.TIMEOUT
-    if isinstance(exc, _TRANSPORT_TYPES):
+    if isinstance(exc, _TRANSPORT_TYPES + _TIMEOUT_TYPES):
         return FailureKind.CONNECT
     if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError):
         return FailureKind.MALFORMED
@@ -463,12 +493,12 @@ def translate_openai_error(
             request_id=headers.get("x-request-id"),
             **common,
         )
-    if isinstance(exc, _TIMEOUT_TYPES):
+    if is_timeout(exc):
         if in_stream:
             return StreamStallTimeoutError("the stream timed out while reading", **common)
         return ProviderTimeoutError("the request timed out", **common)
-    if isinstance(exc, _TRANSPORT_TYPES):
-        cause = exc.__cause__ if isinstance(exc, openai.APIConnectionError) else exc
+    if isinstance(exc, _TRANSPORT_TYPES + _TIMEOUT_TYPES):
+        cause = _root_cause(exc) if exc.__cause__ is not None else exc
         reason = type(cause).__name__ if cause is not None else type(exc).__name__
         text = clean(str(cause) if cause is not None else str(exc)) or ""
         if in_stream:
