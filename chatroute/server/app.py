@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -12,14 +13,14 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Message, Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from chatroute import __version__
 from chatroute.chat.client import ChatClient
@@ -176,6 +177,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        # The endpoints check readiness themselves, once the body is validated; a body that
+        # parsed as JSON but does not validate still gets the not-ready answer first.
+        if not isinstance(exc.__cause__, json.JSONDecodeError) and request.scope.get(
+            "path", ""
+        ).startswith("/v1/"):
+            try:
+                _ready_service(request)
+            except APIError as not_ready:
+                return _error_response(not_ready)
         return _error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
@@ -245,44 +255,56 @@ async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
         raise
 
 
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _watched(receive: Receive, work: Awaitable[T]) -> T:
     """Run `work` while watching the connection; a disconnect cancels it (_CallerGone).
 
-    The cancelled work has finished unwinding (its upstream request closed) by the time
-    _CallerGone is raised.
+    The work runs in the calling task, and one watcher task cancels that task when the
+    caller disconnects (or its connection fails). The cancelled work has finished
+    unwinding (its upstream request closed) by the time _CallerGone is raised. Like
+    `asyncio.timeout`, the watcher's cancel() is matched by an uncancel(), so a
+    cancellation from elsewhere still propagates as the CancelledError it is.
     """
-    call: asyncio.Future[T] = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    task = asyncio.current_task()
+    assert task is not None
+    cancelling = task.cancelling()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:
+            pass  # a connection that cannot be read from is as good as gone
+        gone = True
+        task.cancel()
+
+    watcher = task.get_loop().create_task(watch())
     try:
-        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        call.cancel()
+        result = await work
+    except (Exception, asyncio.CancelledError) as exc:
+        if not gone:
+            raise
+        if task.uncancel() > cancelling and isinstance(exc, asyncio.CancelledError):
+            raise  # cancelled from elsewhere as well
+        raise _CallerGone from None
+    finally:
         watcher.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(call, watcher, return_exceptions=True)
-        raise
-    if call.done():
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-        return call.result()
-    call.cancel()
-    with anyio.CancelScope(shield=True):
-        await asyncio.gather(call, return_exceptions=True)
-    raise _CallerGone
+    if gone:  # the work swallowed the watcher's cancellation
+        task.uncancel()
+        raise _CallerGone
+    return result
 
 
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body and the routed stream behind it,
-    however sending ends (even when the body never started), and marks the trace when
-    the caller disconnects (the body is then cancelled by Starlette)."""
+class _SSEResponse(Response):
+    """An event stream sent from the request's own task (no task group per stream).
+
+    One watcher task cancels the sending when the caller disconnects before the last
+    message was sent, and marks the trace. The body and the routed stream behind it are
+    always closed, however sending ends (even when the body never started).
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(
         self,
@@ -290,37 +312,71 @@ class _SSEResponse(StreamingResponse):
         routed: Any,
         trace: RequestTrace,
         unsent: Callable[[], None],
-        **kwargs: Any,
+        headers: Mapping[str, str],
     ) -> None:
-        super().__init__(content, **kwargs)
+        self.status_code = 200
+        self.background = None
+        self.body_iterator = content
         self._routed = routed
         self._trace = trace
         self._unsent = unsent  # records the request when the body never got to run
         self._sent = False
+        self.init_headers(headers)
 
-    async def listen_for_disconnect(self, receive: Receive) -> None:
-        await super().listen_for_disconnect(receive)
-        # The server also says "disconnect" once the response is complete: not a caller leaving.
-        if not self._sent and self._trace.cancelled is None:
-            self._trace.cancelled = "disconnect"
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        trace = self._trace
+        gone = False
+        failure: list[Exception] = []
 
-    async def stream_response(self, send: Send) -> None:
-        async def sending(message: Message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._sent = True  # before the server can report the completed response
-            await send(message)
+        async def watch() -> None:
+            nonlocal gone
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as exc:
+                failure.append(exc)
+            else:
+                # The server also says "disconnect" once the response is complete: not a
+                # caller leaving.
+                if not self._sent and trace.cancelled is None:
+                    trace.cancelled = "disconnect"
+            gone = True
+            task.cancel()
 
+        watcher = task.get_loop().create_task(watch())
         try:
-            await super().stream_response(sending)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._sent = True  # before the server can report the completed response
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > cancelling:
+                raise
+            if failure:
+                raise failure[0] from None
         except OSError:
-            if self._trace.cancelled is None:
-                self._trace.cancelled = "disconnect"
+            if trace.cancelled is None:
+                trace.cancelled = "disconnect"
             raise
+        else:
+            if gone:  # the watcher's cancellation was swallowed on the way
+                task.uncancel()
         finally:
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await close_iterator(self.body_iterator)
                 await close_iterator(self._routed)
-            if self._trace.status is None:
+            if trace.status is None:
                 self._unsent()
 
 
@@ -384,8 +440,8 @@ def _deadline_error(seconds: float) -> APIError:
 # -------------------------------------------------------------------------------- app
 
 
-async def _service(request: Request) -> Service:
-    # async on purpose: FastAPI would run a plain function in a worker thread.
+def _ready_service(request: Request) -> Service:
+    """The service behind the `/v1` API; 503 (`not_ready`) until it is ready."""
     service: Service | None = getattr(request.app.state, "service", None)
     if service is None or not service.ready:
         raise APIError(
@@ -396,9 +452,6 @@ async def _service(request: Request) -> Service:
             headers={"retry-after": "1"},
         )
     return service
-
-
-ReadyService = Annotated[Service, Depends(_service)]
 
 
 def create_app(
@@ -520,8 +573,9 @@ def _install_routes(app: FastAPI) -> None:
         return Response(registry.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models", tags=["openai"])
-    async def models(service: ReadyService) -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
         """The routes, as models; `auto` routes semantically."""
+        service = _ready_service(request)
         engine = service.engine
         data = [
             {
@@ -547,8 +601,9 @@ def _install_routes(app: FastAPI) -> None:
         return {"object": "list", "data": data}
 
     @app.post("/v1/route", tags=["routing"])
-    async def route(body: RouteRequest, service: ReadyService) -> JSONResponse:
+    async def route(body: RouteRequest, request: Request) -> JSONResponse:
         """The route a text or conversation would take (no provider is called)."""
+        service = _ready_service(request)
         started = time.perf_counter()
         engine = service.engine
         if body.messages is not None:
@@ -565,8 +620,9 @@ def _install_routes(app: FastAPI) -> None:
         return JSONResponse(result)
 
     @app.post("/v1/classify", tags=["routing"])
-    async def classify(body: ClassifyRequest, service: ReadyService) -> JSONResponse:
+    async def classify(body: ClassifyRequest, request: Request) -> JSONResponse:
         """One decision per input, computed as one batch."""
+        service = _ready_service(request)
         started = time.perf_counter()
         limit = service.config.server.max_classify_inputs
         if len(body.inputs) > limit:
@@ -593,14 +649,13 @@ def _install_routes(app: FastAPI) -> None:
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(
-        body: ChatCompletionRequest, service: ReadyService, request: Request
-    ) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, routed by content (`model: auto`) or to a named route.
 
         Unknown top-level fields are ignored (and named in `x-chatroute-ignored-params`).
         `x-chatroute-timeout: <seconds>` shortens the request's deadline.
         """
+        service = _ready_service(request)
         started = time.perf_counter()
         arrived = asyncio.get_running_loop().time()
         _check_messages(service, body.messages)
@@ -681,6 +736,7 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             param="messages",
             code="too_many",
         )
+    limit = limits.max_message_chars
     for position, message in enumerate(messages):
         content = message.content
         if content is None:
@@ -689,7 +745,8 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             size = len(content)
         else:
             size = sum(len(part.text or "") for part in content)
-        _check_length(service, size, f"messages[{position}].content")
+        if size > limit:
+            _check_length(service, size, f"messages[{position}].content")
 
 
 def _check_length(service: Service, size: int, param: str) -> None:
@@ -741,6 +798,14 @@ async def _resolve(
     return model, client
 
 
+def _headers(
+    service: Service, trace: RequestTrace, extra_headers: Mapping[str, str]
+) -> dict[str, str]:
+    headers = service.route_headers(trace.route, trace)
+    headers.update(extra_headers)
+    return headers
+
+
 def _served_model(service: Service, trace: RequestTrace) -> str:
     provider = trace.provider
     if provider is None:
@@ -772,23 +837,19 @@ async def _complete(
         trace.cancelled = "deadline"
         error = _deadline_error(exc.seconds)
         service.finish(trace, error.status, started)
-        return _error_response(
-            error, {**service.route_headers(trace.route, trace), **extra_headers}
-        )
+        return _error_response(error, _headers(service, trace, extra_headers))
     except Exception as exc:
         error = error_from_exception(exc, service.redact)
         logger.warning("route %s failed: %s", route, service.redact(str(error)))
         service.finish(trace, error.status, started)
-        return _error_response(
-            error, {**service.route_headers(trace.route, trace), **extra_headers}
-        )
+        return _error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
     service.finish(trace, 200, started)
     return Response(
         body,
         media_type="application/json",
-        headers={**service.route_headers(trace.route, trace), **extra_headers},
+        headers=_headers(service, trace, extra_headers),
     )
 
 
@@ -844,8 +905,7 @@ async def _stream(
             iterator,
             trace,
             unsent,
-            media_type="text/event-stream",
-            headers={
+            {
                 "cache-control": "no-cache",
                 **service.route_headers(trace.route, trace),
                 **extra_headers,
@@ -867,9 +927,7 @@ async def _stream(
         handed_over = True
         error = _deadline_error(exc.seconds)
         service.finish(trace, error.status, started)
-        return _error_response(
-            error, {**service.route_headers(trace.route, trace), **extra_headers}
-        )
+        return _error_response(error, _headers(service, trace, extra_headers))
     except Exception as exc:
         error = error_from_exception(exc, service.redact)
         logger.warning("route %s failed before output: %s", route, service.redact(str(error)))
@@ -877,9 +935,7 @@ async def _stream(
             await close_iterator(iterator)
         handed_over = True
         service.finish(trace, error.status, started)
-        return _error_response(
-            error, {**service.route_headers(trace.route, trace), **extra_headers}
-        )
+        return _error_response(error, _headers(service, trace, extra_headers))
     finally:
         if not handed_over:
             with anyio.CancelScope(shield=True):

@@ -1,0 +1,254 @@
+"""The service's per-request machinery, on its own: the disconnect watch around the routed
+call, the event-stream response, and the readiness check of the `/v1` endpoints.
+
+The end-to-end behaviour (a caller leaving at every stage) is in test_disconnect.py; this
+pins the cancellation bookkeeping that those tests cannot reach: an outer cancellation, a
+deadline and a disconnect in the same request, and the task left not cancelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from chatroute.config import parse_config
+from chatroute.server import create_app
+from chatroute.server.app import (
+    _bounded,
+    _CallerGone,
+    _Deadline,
+    _DeadlineHit,
+    _SSEResponse,
+    _watched,
+)
+from chatroute.server.tracing import RequestTrace
+
+
+class Connection:
+    """An ASGI receive that reports `http.disconnect` once `leave()` was called."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+
+    def leave(self) -> None:
+        self.left.set()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+
+async def upstream_call(log: list[str]) -> None:
+    """A call that only ends when cancelled, and awaits while it unwinds."""
+    try:
+        await asyncio.sleep(30)
+    finally:
+        log.append("unwinding")
+        await asyncio.sleep(0.01)
+        log.append("closed")
+
+
+def not_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+def others() -> set[asyncio.Task[Any]]:
+    return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+
+async def test_a_disconnect_ends_the_call_once_it_has_unwound() -> None:
+    conn, log = Connection(), []
+    asyncio.get_running_loop().call_later(0.02, conn.leave)
+    with pytest.raises(_CallerGone):
+        await _watched(conn.receive, upstream_call(log))
+    assert log == ["unwinding", "closed"]
+    assert not_cancelling()
+
+
+async def test_the_result_and_the_errors_of_the_call_pass_through() -> None:
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("upstream")
+
+    assert await _watched(Connection().receive, answer()) == 42
+    with pytest.raises(ValueError, match="upstream"):
+        await _watched(Connection().receive, fail())
+    await asyncio.sleep(0)
+    assert not others() and not_cancelling()
+
+
+async def test_the_deadline_still_works_inside_the_watch() -> None:
+    conn, log = Connection(), []
+    at = asyncio.get_running_loop().time() + 0.02
+    with pytest.raises(_DeadlineHit):
+        await _watched(conn.receive, _bounded(upstream_call(log), _Deadline(at, 0.02)))
+    assert log == ["unwinding", "closed"] and not_cancelling()
+
+    # Both at once: the caller is gone, and the task is left not cancelling.
+    at = asyncio.get_running_loop().time() + 0.02
+    asyncio.get_running_loop().call_at(at, conn.leave)
+    with pytest.raises(_CallerGone):
+        await _watched(conn.receive, _bounded(upstream_call([]), _Deadline(at, 0.02)))
+    assert not_cancelling()
+
+
+async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
+    conn, log = Connection(), []
+    request = asyncio.create_task(_watched(conn.receive, upstream_call(log)))
+    await asyncio.sleep(0.01)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert log == ["unwinding", "closed"]
+    await asyncio.sleep(0)
+    assert not others()
+
+    # Cancelled from outside while the caller leaves: still a cancellation.
+    request = asyncio.create_task(_watched(conn.receive, upstream_call([])))
+    await asyncio.sleep(0.01)
+    conn.leave()
+    await asyncio.sleep(0)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+
+async def test_an_outer_timeout_expiring_in_the_watch_is_a_timeout() -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await _watched(Connection().receive, upstream_call([]))
+    assert not_cancelling()
+
+
+class Routed:
+    def __init__(self, closed: list[str]) -> None:
+        self.closed = closed
+
+    async def aclose(self) -> None:
+        self.closed.append("routed")
+
+
+class Stream:
+    """An event stream's body and the routed stream behind it, recording their closing."""
+
+    def __init__(self, chunks: int, pause: float = 0.0) -> None:
+        self.chunks, self.pause = chunks, pause
+        self.closed: list[str] = []
+        self.unsent = 0
+        self.trace = RequestTrace(route="r")
+
+    async def body(self) -> AsyncIterator[bytes]:
+        try:
+            for n in range(self.chunks):
+                await asyncio.sleep(self.pause)
+                yield b"data: %d\n\n" % n
+        finally:
+            self.closed.append("body")
+
+    def response(self) -> _SSEResponse:
+        def unsent() -> None:
+            self.unsent += 1
+            self.trace.status = 499
+
+        return _SSEResponse(
+            self.body(), Routed(self.closed), self.trace, unsent, {"cache-control": "no-cache"}
+        )
+
+
+async def serve(
+    stream: Stream, conn: Connection, *, fail_send: bool = False
+) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if fail_send:
+            raise OSError("connection reset")
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message["more_body"]:
+            conn.leave()  # the server reports the completed response as a disconnect
+            await asyncio.sleep(0)
+
+    await stream.response()({"type": "http"}, conn.receive, send)
+    return sent
+
+
+async def test_a_completed_stream_is_not_a_caller_leaving() -> None:
+    stream, conn = Stream(3), Connection()
+    sent = await serve(stream, conn)
+    assert sent[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert stream.trace.cancelled is None
+    assert stream.closed == ["body", "routed"] and stream.unsent == 1
+    await asyncio.sleep(0)
+    assert not others() and not_cancelling()
+
+
+async def test_a_caller_leaving_mid_stream_stops_it_and_closes_everything() -> None:
+    stream, conn = Stream(1000, pause=0.001), Connection()
+    asyncio.get_running_loop().call_later(0.02, conn.leave)
+    sent = await serve(stream, conn)  # returns: the caller is gone, nothing to raise
+    assert 1 < len(sent) < 1000 and sent[-1]["more_body"]
+    assert stream.trace.cancelled == "disconnect"
+    assert stream.closed == ["body", "routed"]
+    await asyncio.sleep(0)
+    assert not others() and not_cancelling()
+
+
+async def test_a_failing_send_marks_a_disconnect_and_closes_the_unstarted_body() -> None:
+    stream, conn = Stream(3), Connection()
+    with pytest.raises(OSError):
+        await serve(stream, conn, fail_send=True)
+    assert stream.trace.cancelled == "disconnect"
+    assert stream.closed == ["routed"]  # the body never started: nothing to unwind in it
+    assert stream.unsent == 1
+
+
+async def test_an_outer_cancellation_of_a_stream_propagates() -> None:
+    stream, conn = Stream(1000, pause=0.001), Connection()
+    serving = asyncio.create_task(serve(stream, conn))
+    await asyncio.sleep(0.02)
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    assert stream.trace.cancelled is None
+    assert stream.closed == ["body", "routed"]
+    await asyncio.sleep(0)
+    assert not others()
+
+
+def test_the_api_answers_not_ready_before_validating_a_body() -> None:
+    config = parse_config(
+        {
+            "routing": {"default_route": "r", "threshold": 0.3},
+            "providers": {"p": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
+            "routes": {"r": {"targets": ["p"], "utterances": ["hello"]}},
+        }
+    )
+    client = TestClient(create_app(config, api_keys=[]))  # no lifespan: never ready
+    valid = {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
+    for path, body in [
+        ("/v1/chat/completions", valid),
+        ("/v1/chat/completions", {"messages": "not a list"}),
+        ("/v1/route", {"input": 3}),
+        ("/v1/classify", {}),
+    ]:
+        answer = client.post(path, json=body)
+        assert answer.status_code == 503, (path, body)
+        assert answer.json()["error"]["code"] == "not_ready"
+        assert answer.headers["retry-after"] == "1"
+    assert client.get("/v1/models").status_code == 503
+    # A body that is not JSON at all is refused before readiness matters, as before.
+    answer = client.post(
+        "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 400
