@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service clean
+.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service bench-soak clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -58,7 +58,11 @@ bench-routing: $(BENCH_STAMP)
 bench-service: $(STAMP)
 	$(BIN)/python bench/service_bench.py
 
-bench: bench-core bench-routing bench-service
+# 200 streaming clients for 5 minutes through the real service, 2% injected faults.
+bench-soak: $(STAMP)
+	$(BIN)/python bench/load_soak.py
+
+bench: bench-core bench-routing bench-service bench-soak
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache
