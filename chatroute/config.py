@@ -126,7 +126,9 @@ class ProviderTimeouts(_Strict):
     also accepted under its older name `request`. `first_token` bounds the wait for the
     first content-bearing event of a stream (connecting included); `stall` the silence
     between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
-    are the HTTP transport's limits.
+    are the HTTP transport's limits; the aiohttp transport the providers use enforces
+    `connect`, `read` (between two socket reads) and `pool` (waiting for a pooled
+    connection, connecting included), not `write`.
     """
 
     connect: PositiveSeconds = 5.0
