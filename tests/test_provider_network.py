@@ -4,6 +4,7 @@ the SSE event reader."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import json
@@ -142,6 +143,18 @@ def port_of(server: asyncio.Server) -> int:
 # ------------------------------------------------------------- the pooled client and its errors
 
 
+@contextlib.asynccontextmanager
+async def provider_on(handler: Handler, **settings: Any) -> AsyncIterator[OpenAIChatClient]:
+    """A provider pointed at a scripted raw-socket upstream; both are closed afterwards."""
+    server = await serve(handler)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", **settings)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        server.close()
+
+
 async def test_an_owned_client_runs_on_aiohttp_and_a_given_one_is_left_alone() -> None:
     owned = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
     given_http = http.AsyncClient()
@@ -177,18 +190,13 @@ async def test_an_upstream_hanging_up_before_answering_is_a_connect_failure(stre
         await read_request(reader)
         writer.close()  # hang up without a status line
 
-    server = await serve(handler)
-    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
-    try:
+    async with provider_on(handler) as client:
         with pytest.raises(ProviderConnectionError) as caught:
             if stream:
                 [u async for u in client.get_streaming_response(HI)]
             else:
                 await client.get_response(HI)
         assert caught.value.kind is FailureKind.CONNECT
-    finally:
-        await client.aclose()
-        server.close()
 
 
 async def test_a_silent_upstream_is_a_read_timeout() -> None:
@@ -197,17 +205,10 @@ async def test_a_silent_upstream_is_a_read_timeout() -> None:
         await asyncio.sleep(5)  # never answers within the read timeout
         writer.close()
 
-    server = await serve(handler)
-    client = OpenAIChatClient(
-        "m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", read_timeout=0.2
-    )
-    try:
+    async with provider_on(handler, read_timeout=0.2) as client:
         with pytest.raises(ProviderTimeoutError) as caught:
             await client.get_response(HI)
         assert caught.value.kind is FailureKind.TIMEOUT
-    finally:
-        await client.aclose()
-        server.close()
 
 
 async def test_a_body_cut_mid_stream_is_an_interrupted_stream() -> None:
@@ -218,17 +219,12 @@ async def test_a_body_cut_mid_stream_is_an_interrupted_stream() -> None:
         await writer.drain()
         writer.close()
 
-    server = await serve(handler)
-    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
-    try:
+    async with provider_on(handler) as client:
         received = []
         with pytest.raises(StreamInterruptedError):
             async for update in client.get_streaming_response(HI):
                 received.append(update.text)
         assert received == ["one "]
-    finally:
-        await client.aclose()
-        server.close()
 
 
 # ------------------------------------------------------------------- end to end, TCP and TLS
