@@ -78,6 +78,23 @@ def test_index_random_bank_matches_brute_force(backend: str) -> None:
     assert scores.dtype == np.float32 and ids.dtype == np.int64
 
 
+@pytest.mark.parametrize("rows", [1, 63, 64, 200])
+def test_faiss_search_leaves_the_callers_thread_count_alone(rows: int) -> None:
+    """Small batches search on one OpenMP thread; the caller's count (which torch shares in
+    that thread) is the same afterwards, and results match brute force either way."""
+    import faiss
+    import torch
+
+    rng = np.random.default_rng(rows)
+    bank = rng.standard_normal((500, 16)).astype(np.float32)
+    queries = rng.standard_normal((rows, 16)).astype(np.float32)
+    index = ProfileIndex(bank, backend="faiss")
+    before = (faiss.omp_get_max_threads(), torch.get_num_threads())
+    _, ids = index.search(queries, 3)
+    assert (faiss.omp_get_max_threads(), torch.get_num_threads()) == before
+    assert ids.tolist() == reference_topk(bank, queries, 3)[1].tolist()
+
+
 @pytest.mark.parametrize("k", [1, 5, 64])
 def test_index_torch_matmul_path_equals_faiss(k: int) -> None:
     rng = np.random.default_rng(11)

@@ -18,8 +18,6 @@ Int64Array = npt.NDArray[np.int64]
 # embedder, the event loop), waits on preempted OpenMP workers: measured on 2 cores, one
 # query against 100,000 profiles took 52 ms on 2 threads and 14 ms on one.
 _SINGLE_THREAD_ROWS = 64
-# The OpenMP thread count FAISS starts with, used for larger batches.
-_FAISS_THREADS = faiss.omp_get_max_threads()
 # FAISS GPU selects at most this many neighbours per query (GPU_MAX_SELECTION_K).
 _FAISS_GPU_MAX_K = 2048
 # The torch backend scores at most this many (query, profile) pairs per matmul.
@@ -58,9 +56,17 @@ class FaissCpuBackend:
 
     def topk(self, queries: Any, k: int) -> tuple[Float32Array, Int64Array]:
         rows = _host_float32(queries)
-        # The OpenMP thread count is per calling thread: set it for every search.
-        faiss.omp_set_num_threads(1 if rows.shape[0] < _SINGLE_THREAD_ROWS else _FAISS_THREADS)
-        scores, ids = self.index.search(rows, k)
+        if rows.shape[0] < _SINGLE_THREAD_ROWS:
+            # The OpenMP thread count belongs to the calling thread and is shared with
+            # torch there: put it back after the search.
+            previous = faiss.omp_get_max_threads()
+            faiss.omp_set_num_threads(1)
+            try:
+                scores, ids = self.index.search(rows, k)
+            finally:
+                faiss.omp_set_num_threads(previous)
+        else:
+            scores, ids = self.index.search(rows, k)
         return scores, ids.astype(np.int64, copy=False)
 
 
