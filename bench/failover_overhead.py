@@ -214,7 +214,7 @@ def report(rows: list[tuple[str, int, float, float, float]], args: argparse.Name
     lines = [
         "## Failover loop overhead",
         "",
-        f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()}",
         f"- Python {platform.python_version()} ({platform.python_implementation()})",
         f"- clock: {args.clock} ({'thread CPU time' if args.clock == 'cpu' else 'wall time'});"
         f" load average at the end: {load_average()}",
