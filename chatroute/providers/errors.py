@@ -397,6 +397,10 @@ _TRANSPORT_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
+# Either of the above: a broken connection may surface as a timeout type (see is_timeout).
+_NETWORK_TYPES = _TRANSPORT_TYPES + _TIMEOUT_TYPES
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The innermost exception of an explicit `raise ... from` chain."""
     seen = {id(exc)}
@@ -442,7 +446,7 @@ def classify(exc: BaseException) -> FailureKind:
         return kind_for_status(exc.status_code, code or etype, message or exc.message)
     if is_timeout(exc):
         return FailureKind.TIMEOUT
-    if isinstance(exc, _TRANSPORT_TYPES + _TIMEOUT_TYPES):
+    if isinstance(exc, _NETWORK_TYPES):
         return FailureKind.CONNECT
     if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError):
         return FailureKind.MALFORMED
@@ -497,10 +501,10 @@ def translate_openai_error(
         if in_stream:
             return StreamStallTimeoutError("the stream timed out while reading", **common)
         return ProviderTimeoutError("the request timed out", **common)
-    if isinstance(exc, _TRANSPORT_TYPES + _TIMEOUT_TYPES):
-        cause = _root_cause(exc) if exc.__cause__ is not None else exc
-        reason = type(cause).__name__ if cause is not None else type(exc).__name__
-        text = clean(str(cause) if cause is not None else str(exc)) or ""
+    if isinstance(exc, _NETWORK_TYPES):
+        cause = _root_cause(exc)
+        reason = type(cause).__name__
+        text = clean(str(cause)) or ""
         if in_stream:
             return StreamInterruptedError(
                 f"the connection broke while reading the stream ({reason}: {text})", **common

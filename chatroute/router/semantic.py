@@ -22,7 +22,7 @@ from chatroute.index import (
     as_embedding_matrix,
     l2_normalize_rows,
 )
-from chatroute.router.base import RoutingChatClient
+from chatroute.router.base import RoutingChatClient, close_each_once
 from chatroute.router.context import RoutingContext
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
 
@@ -405,16 +405,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
         self._closed = True
         if self._leave_open:
             return
-        first: BaseException | None = None
-        closables: list[ChatClient | EmbeddingGenerator] = [*self._routes, self._generator]
-        for item in closables:
-            try:
-                await item.aclose()
-            except (Exception, asyncio.CancelledError) as exc:
-                if first is None:
-                    first = exc
-        if first is not None:
-            raise first
+        await close_each_once([*self._routes, self._generator])
 
 
 def _check_threshold(value: Any, limit: float, name: str) -> float:

@@ -255,43 +255,69 @@ async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
         raise
 
 
-async def _watched(receive: Receive, work: Awaitable[T]) -> T:
-    """Run `work` while watching the connection; a disconnect cancels it (_CallerGone).
+class _DisconnectWatch:
+    """One task that cancels the current task when the caller disconnects, or when its
+    connection can no longer be read (`failure` then holds why).
 
-    The work runs in the calling task, and one watcher task cancels that task when the
-    caller disconnects (or its connection fails). The cancelled work has finished
-    unwinding (its upstream request closed) by the time _CallerGone is raised. Like
-    `asyncio.timeout`, the watcher's cancel() is matched by an uncancel(), so a
-    cancellation from elsewhere still propagates as the CancelledError it is.
+    Like `asyncio.timeout`, the watch's cancel() is matched by an uncancel() (in `caused`
+    or `settle`), so a cancellation from elsewhere still propagates as what it is.
     """
-    task = asyncio.current_task()
-    assert task is not None
-    cancelling = task.cancelling()
-    gone = False
 
-    async def watch() -> None:
-        nonlocal gone
+    def __init__(self, receive: Receive, on_disconnect: Callable[[], None] | None = None) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.gone = False
+        self.failure: Exception | None = None
+        self._watcher = task.get_loop().create_task(self._watch(receive, on_disconnect))
+
+    async def _watch(self, receive: Receive, on_disconnect: Callable[[], None] | None) -> None:
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
-        except Exception:
-            pass  # a connection that cannot be read from is as good as gone
-        gone = True
-        task.cancel()
+        except Exception as exc:
+            self.failure = exc
+        else:
+            if on_disconnect is not None:
+                on_disconnect()
+        self.gone = True
+        self._task.cancel()
 
-    watcher = task.get_loop().create_task(watch())
+    def stop(self) -> None:
+        self._watcher.cancel()
+
+    def caused(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised in the watched task, is the caller going away (and not also a
+        cancellation from elsewhere); consumes the watch's cancellation when it was."""
+        if not self.gone:
+            return False
+        return not (
+            self._task.uncancel() > self._cancelling and isinstance(exc, asyncio.CancelledError)
+        )
+
+    def settle(self) -> bool:
+        """After the work ended normally: whether the caller went away meanwhile (the work
+        swallowed the cancellation, which is consumed here)."""
+        if self.gone:
+            self._task.uncancel()
+        return self.gone
+
+
+async def _watched(receive: Receive, work: Awaitable[T]) -> T:
+    """Run `work` in the calling task while watching the connection; a disconnect (or a
+    connection that cannot be read) cancels it and raises _CallerGone, once the cancelled
+    work has finished unwinding (its upstream request closed)."""
+    watch = _DisconnectWatch(receive)
     try:
         result = await work
     except (Exception, asyncio.CancelledError) as exc:
-        if not gone:
-            raise
-        if task.uncancel() > cancelling and isinstance(exc, asyncio.CancelledError):
-            raise  # cancelled from elsewhere as well
-        raise _CallerGone from None
+        if watch.caused(exc):
+            raise _CallerGone from None
+        raise
     finally:
-        watcher.cancel()
-    if gone:  # the work swallowed the watcher's cancellation
-        task.uncancel()
+        watch.stop()
+    if watch.settle():
         raise _CallerGone
     return result
 
@@ -324,29 +350,15 @@ class _SSEResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        cancelling = task.cancelling()
         trace = self._trace
-        gone = False
-        failure: list[Exception] = []
 
-        async def watch() -> None:
-            nonlocal gone
-            try:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-            except Exception as exc:
-                failure.append(exc)
-            else:
-                # The server also says "disconnect" once the response is complete: not a
-                # caller leaving.
-                if not self._sent and trace.cancelled is None:
-                    trace.cancelled = "disconnect"
-            gone = True
-            task.cancel()
+        def caller_left() -> None:
+            # The server also says "disconnect" once the response is complete: not a
+            # caller leaving.
+            if not self._sent and trace.cancelled is None:
+                trace.cancelled = "disconnect"
 
-        watcher = task.get_loop().create_task(watch())
+        watch = _DisconnectWatch(receive, caller_left)
         try:
             await send(
                 {
@@ -359,20 +371,19 @@ class _SSEResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._sent = True  # before the server can report the completed response
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not gone or task.uncancel() > cancelling:
+        except asyncio.CancelledError as exc:
+            if not watch.caused(exc):
                 raise
-            if failure:
-                raise failure[0] from None
+            if watch.failure is not None:
+                raise watch.failure from None
         except OSError:
             if trace.cancelled is None:
                 trace.cancelled = "disconnect"
             raise
         else:
-            if gone:  # the watcher's cancellation was swallowed on the way
-                task.uncancel()
+            watch.settle()  # the watch's cancellation may have been swallowed on the way
         finally:
-            watcher.cancel()
+            watch.stop()
             with anyio.CancelScope(shield=True):
                 await close_iterator(self.body_iterator)
                 await close_iterator(self._routed)
