@@ -9,6 +9,7 @@ deadline and a disconnect in the same request, and the task left not cancelling.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,8 +17,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from chatroute.config import parse_config
-from chatroute.server import create_app
+from chatroute.server import build_engine, create_app
 from chatroute.server.app import (
+    ChatrouteApp,
     _bounded,
     _CallerGone,
     _Deadline,
@@ -25,6 +27,7 @@ from chatroute.server.app import (
     _SSEResponse,
     _watched,
 )
+from chatroute.server.guard import RequestGuard
 from chatroute.server.tracing import RequestTrace
 
 
@@ -252,3 +255,179 @@ def test_the_api_answers_not_ready_before_validating_a_body() -> None:
         "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}
     )
     assert answer.status_code == 400
+
+
+# ------------------------------------------------------- the chat endpoint's fast dispatch
+
+FAST_CONFIG = {
+    "routing": {"top_k": 3, "threshold": 0.3, "default_route": "general"},
+    "providers": {
+        "fast": {"base_url": "http://127.0.0.1:1/v1", "model": "small-model"},
+        "strong": {"base_url": "http://127.0.0.1:2/v1", "model": "big-model"},
+    },
+    "routes": {
+        "code": {
+            "utterances": ["fix this python bug", "write a python function"],
+            "targets": ["fast"],
+        },
+        "general": {"targets": ["strong"]},
+    },
+    "server": {"max_body_bytes": 8192, "max_messages": 4, "max_json_depth": 8},
+}
+
+USER = {"role": "user", "content": "please fix this python bug"}
+JSON = "application/json"
+
+# (name, body, content type or None, extra headers)
+CASES: list[tuple[str, bytes, str | None, dict[str, str]]] = [
+    ("auto", json.dumps({"model": "auto", "messages": [USER]}).encode(), JSON, {}),
+    ("absent model", json.dumps({"messages": [USER]}).encode(), JSON, {}),
+    ("forced", json.dumps({"model": "general", "messages": [USER]}).encode(), JSON, {}),
+    ("stream", json.dumps({"messages": [USER], "stream": True}).encode(), JSON, {}),
+    (
+        "stream usage",
+        json.dumps(
+            {"messages": [USER], "stream": True, "stream_options": {"include_usage": True}}
+        ).encode(),
+        JSON,
+        {},
+    ),
+    ("+json type", json.dumps({"messages": [USER]}).encode(), "application/vnd.x+json", {}),
+    ("charset", json.dumps({"messages": [USER]}).encode(), "application/json; charset=utf-8", {}),
+    ("unknown fields", json.dumps({"messages": [USER], "foo": 1, "bar": 2}).encode(), JSON, {}),
+    ("unknown model", json.dumps({"model": "nope", "messages": [USER]}).encode(), JSON, {}),
+    ("broken json", b'{"messages": [', JSON, {}),
+    ("empty body", b"", JSON, {}),
+    ("text/plain", json.dumps({"messages": [USER]}).encode(), "text/plain", {}),
+    ("no content type", json.dumps({"messages": [USER]}).encode(), None, {}),
+    ("not json, not json type", b"hello", "text/plain", {}),
+    ("array body", b"[1, 2]", JSON, {}),
+    ("null body", b"null", JSON, {}),
+    ("no messages", b"{}", JSON, {}),
+    ("empty messages", b'{"messages": []}', JSON, {}),
+    ("bad role", json.dumps({"messages": [{"role": "boss", "content": "x"}]}).encode(), JSON, {}),
+    ("bad type", json.dumps({"messages": [USER], "temperature": "hot"}).encode(), JSON, {}),
+    ("too many", json.dumps({"messages": [USER] * 5}).encode(), JSON, {}),
+    ("NaN", b'{"messages": [], "temperature": NaN}', JSON, {}),
+    ("huge integer", b'{"messages": [], "seed": ' + b"9" * 5000 + b"}", JSON, {}),
+    ("too deep", b'{"messages": ' + b"[" * 10 + b"]" * 10 + b"}", JSON, {}),
+    ("not utf-8", b'{"messages": "\xff"}', JSON, {}),
+    ("over the size limit", b'{"messages": "' + b"x" * 9000 + b'"}', JSON, {}),
+    (
+        "bad timeout header",
+        json.dumps({"messages": [USER]}).encode(),
+        JSON,
+        {"x-chatroute-timeout": "soon"},
+    ),
+]
+
+_COMPARED_HEADERS = (
+    "content-type",
+    "x-chatroute-route",
+    "x-chatroute-provider",
+    "x-chatroute-attempts",
+    "x-chatroute-ignored-params",
+    "www-authenticate",
+    "retry-after",
+)
+
+
+def _answer(client: TestClient, body: bytes, ctype: str | None, extra: dict[str, str]) -> Any:
+    headers = dict(extra)
+    if ctype is not None:
+        headers["content-type"] = ctype
+    r = client.post("/v1/chat/completions", content=body, headers=headers)
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        payload: Any = [
+            {k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")}
+            if line != "data: [DONE]"
+            else line
+            for line in r.text.split("\n\n")
+            if line.startswith("data: ")
+        ]
+    else:
+        payload = r.json() if r.content else None
+        if isinstance(payload, dict):
+            payload = {k: v for k, v in payload.items() if k not in ("id", "created")}
+    return r.status_code, payload, {h: r.headers.get(h) for h in _COMPARED_HEADERS}
+
+
+def _answers(fast: bool, *, keys: list[str], ready: bool = True) -> list[Any]:
+    from tests.test_server import BagOfWordsEmbedder, Provider
+
+    config = parse_config(FAST_CONFIG, environ={})
+    providers = {"fast": Provider("fast", "quick answer"), "strong": Provider("strong", "sure")}
+    engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
+    app = create_app(engine, api_keys=keys)
+    assert isinstance(app, ChatrouteApp)
+    app.fast_chat = fast
+    headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+    client = TestClient(app, headers=headers)
+    try:
+        if ready:
+            with client:
+                return [_answer(client, b, c, x) for _, b, c, x in CASES]
+        return [_answer(client, b, c, x) for _, b, c, x in CASES]
+    finally:
+        asyncio.run(engine.aclose())
+
+
+@pytest.mark.parametrize("ready", [True, False])
+@pytest.mark.parametrize("keys", [[], ["sekrit"]])
+def test_the_fast_dispatch_answers_exactly_as_the_fastapi_route(
+    ready: bool, keys: list[str]
+) -> None:
+    fast = _answers(True, keys=keys, ready=ready)
+    routed = _answers(False, keys=keys, ready=ready)
+    for (name, *_), a, b in zip(CASES, fast, routed, strict=True):
+        assert a == b, name
+        assert a[0] != 500, name
+    statuses = {name: a[0] for (name, *_), a in zip(CASES, fast, strict=True)}
+    if ready:
+        for name in ("auto", "forced", "stream", "+json type", "charset", "unknown fields"):
+            assert statuses[name] == 200, name
+        assert statuses["unknown model"] == 404
+        assert statuses["over the size limit"] == 413
+        assert {statuses[n] for n in ("broken json", "text/plain", "NaN", "huge integer")} == {400}
+    else:
+        assert statuses["auto"] == 503
+        assert statuses["broken json"] == 400  # refused before readiness matters
+
+
+def test_the_fast_dispatch_refuses_a_missing_key_and_skips_fastapi(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    original = RequestGuard.__call__
+
+    async def counting(self: RequestGuard, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append(scope["path"])
+        await original(self, scope, receive, send)
+
+    monkeypatch.setattr(RequestGuard, "__call__", counting)
+    from tests.test_server import BagOfWordsEmbedder, Provider
+
+    config = parse_config(FAST_CONFIG, environ={})
+    providers = {"fast": Provider("fast"), "strong": Provider("strong")}
+    engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
+    app = create_app(engine, api_keys=["k1"])
+    with TestClient(app) as client:
+        body = {"messages": [USER]}
+        missing = client.post("/v1/chat/completions", json=body)
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"] == "Bearer"
+        ok = client.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer k1"})
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["message"]["content"] == "hello"
+        assert calls == []  # neither went through FastAPI's middleware stack
+        assert (
+            client.post(
+                "/v1/route", json={"input": "x"}, headers={"authorization": "Bearer k1"}
+            ).status_code
+            == 200
+        )
+        assert calls == ["/v1/route"]
+        answer = client.get("/v1/chat/completions", headers={"authorization": "Bearer k1"})
+        assert answer.status_code == 405  # other methods: FastAPI
+    asyncio.run(engine.aclose())

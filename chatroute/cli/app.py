@@ -112,6 +112,8 @@ def serve(
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
+        # uvicorn logs each request at info level; below that, skip the per-request call.
+        access_log=settings.server.log_level in ("trace", "debug", "info"),
         timeout_graceful_shutdown=10,
         # Longer than the usual 60 s idle timeout of proxies and load balancers in front,
         # so they, not the service, close idle keep-alive connections (no reset races).

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import anyio
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +32,7 @@ from chatroute.router.base import close_iterator
 from chatroute.router.decision import RouteDecision
 from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError, Redactor, error_from_exception
-from chatroute.server.guard import RequestGuard
+from chatroute.server.guard import Admission, Admitted, NotJSON, RequestGuard
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
 from chatroute.server.tracing import RequestTrace, TraceSink, end_trace, start_trace
 from chatroute.server.wire import (
@@ -48,11 +49,12 @@ from chatroute.server.wire import (
     to_chat_options,
 )
 
-__all__ = ["Service", "create_app"]
+__all__ = ["ChatrouteApp", "Service", "create_app"]
 
 logger = logging.getLogger("chatroute.server")
 
 AUTO_MODEL = "auto"
+CHAT_PATH = "/v1/chat/completions"
 ROUTE_HEADER = "x-chatroute-route"
 PROVIDER_HEADER = "x-chatroute-provider"
 ATTEMPTS_HEADER = "x-chatroute-attempts"
@@ -136,8 +138,9 @@ def _param_of(loc: Sequence[int | str]) -> str:
     return param
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+def _validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The 400 for pydantic's validation errors of a request body (FastAPI's `loc` starts
+    with "body"; a model validated directly has no such prefix)."""
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
@@ -186,7 +189,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                 _ready_service(request)
             except APIError as not_ready:
                 return _error_response(not_ready)
-        return _error_response(_validation_error(exc))
+        return _error_response(_validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -530,7 +533,7 @@ def create_app(
             if owned:
                 await engine.aclose()
 
-    app = FastAPI(
+    app = ChatrouteApp(
         title="chatroute",
         summary="Semantic routing and failover gateway for OpenAI-compatible chat APIs",
         version=__version__,
@@ -540,13 +543,14 @@ def create_app(
     app.state.metrics = metrics
     _install_error_handlers(app)
     _install_routes(app)
-    app.add_middleware(
-        RequestGuard,
+    admission = Admission(
         api_keys=keys,
         max_body_bytes=config.server.max_body_bytes,
         max_json_depth=config.server.max_json_depth,
         body_timeout=config.server.body_timeout,
     )
+    app.add_middleware(RequestGuard, admission=admission)
+    app.chat_endpoint = _ChatEndpoint(app, admission)
     return app
 
 
@@ -659,46 +663,160 @@ def _install_routes(app: FastAPI) -> None:
         service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post(CHAT_PATH, tags=["openai"])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, routed by content (`model: auto`) or to a named route.
 
         Unknown top-level fields are ignored (and named in `x-chatroute-ignored-params`).
         `x-chatroute-timeout: <seconds>` shortens the request's deadline.
         """
-        service = _ready_service(request)
-        started = time.perf_counter()
-        arrived = asyncio.get_running_loop().time()
-        _check_messages(service, body.messages)
-        caller_timeout = _caller_timeout(service, request)
-        messages = to_chat_messages(body.messages)
-        options = to_chat_options(body)
-        route_name, client = await _resolve(service, body.model, messages)
-        trace = start_trace(route_name)
-        trace.stream = bool(body.stream)
-        deadline = _deadline_for(service, route_name, caller_timeout, arrived)
-        extra = {}
-        ignored = sorted(body.model_extra or {})
-        if ignored:
-            logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
-            extra[IGNORED_HEADER] = _header_list(ignored)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(
-                service,
-                request,
-                client,
-                messages,
-                options,
-                trace,
-                started,
-                include_usage,
-                deadline,
-                extra,
-            )
-        return await _complete(
-            service, request, client, messages, options, trace, started, deadline, extra
+        # Served by `_ChatEndpoint` in front of FastAPI (see ChatrouteApp); this route
+        # documents the endpoint and serves it where that dispatch is off.
+        return await _chat_completion(_ready_service(request), request, body)
+
+
+async def _chat_completion(
+    service: Service, request: Request, body: ChatCompletionRequest
+) -> Response:
+    """Answer a validated chat-completions request (routing, failover, the commit rule)."""
+    started = time.perf_counter()
+    arrived = asyncio.get_running_loop().time()
+    _check_messages(service, body.messages)
+    caller_timeout = _caller_timeout(service, request)
+    messages = to_chat_messages(body.messages)
+    options = to_chat_options(body)
+    route_name, client = await _resolve(service, body.model, messages)
+    trace = start_trace(route_name)
+    trace.stream = bool(body.stream)
+    deadline = _deadline_for(service, route_name, caller_timeout, arrived)
+    extra = {}
+    ignored = sorted(body.model_extra or {})
+    if ignored:
+        logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
+        extra[IGNORED_HEADER] = _header_list(ignored)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(
+            service,
+            request,
+            client,
+            messages,
+            options,
+            trace,
+            started,
+            include_usage,
+            deadline,
+            extra,
         )
+    return await _complete(
+        service, request, client, messages, options, trace, started, deadline, extra
+    )
+
+
+def _is_json_type(scope: Scope) -> bool:
+    """Whether the request says its body is JSON (`application/json` or `application/*+json`),
+    as FastAPI decides it; no content type is not JSON (FastAPI's strict default)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            media: bytes = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or (
+                media.startswith(b"application/") and media.endswith(b"+json")
+            )
+    return False
+
+
+class _ChatEndpoint:
+    """`POST /v1/chat/completions` as a plain ASGI endpoint: the hot path of a proxied call.
+
+    It answers exactly as the FastAPI route would (the same admission checks, errors,
+    validation model and handler) but skips FastAPI's per-request machinery: the
+    middleware stack, the second body read and JSON parse, and the dependency solve. On
+    this stack that machinery cost more than routing and failover together.
+    """
+
+    def __init__(self, app: FastAPI, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        admission = self.admission
+        if await admission.refuse_unauthorised(scope, send):
+            return
+        admitted = await admission.admit_body(scope, receive, send)
+        if admitted is None:
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self._answer(request, admitted)
+        except APIError as error:
+            response = _error_response(error)
+        except Exception as exc:
+            logger.error("unhandled %s on %s", type(exc).__name__, CHAT_PATH)
+            response = _error_response(
+                APIError(500, "internal error", type="server_error", code="internal_error")
+            )
+        await response(scope, receive, send)
+
+    async def _answer(self, request: Request, admitted: Admitted) -> Response:
+        data = admitted.data
+        is_json = _is_json_type(request.scope)
+        if is_json and isinstance(data, NotJSON):
+            if isinstance(data.error, json.JSONDecodeError):
+                raise APIError(
+                    400,
+                    f"the body is not valid JSON: {data.error.msg}".rstrip(": "),
+                    code="invalid_json",
+                )
+            raise APIError(400, "the request body could not be parsed", code="invalid_body")
+        service = _ready_service(request)
+        if not admitted.body:
+            raise APIError(400, "a JSON object body is required", code="invalid_body")
+        if not is_json:
+            raise APIError(
+                400,
+                "the body must be a JSON object sent as application/json",
+                code="invalid_body",
+            )
+        try:
+            body = ChatCompletionRequest.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise _validation_error(exc.errors()) from None
+        return await _chat_completion(service, request, body)
+
+
+class ChatrouteApp(FastAPI):
+    """The service's FastAPI app, with chat completions answered in front of FastAPI's
+    per-request machinery (`_ChatEndpoint`); every other path is plain FastAPI.
+
+    Set `fast_chat = False` to serve chat completions through the FastAPI route instead
+    (the same answers, more CPU per call).
+    """
+
+    fast_chat: bool = True
+    chat_endpoint: _ChatEndpoint | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.chat_endpoint
+        if (
+            endpoint is not None
+            and self.fast_chat
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and _route_path(scope) == CHAT_PATH
+        ):
+            scope["app"] = self
+            await endpoint(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request path below the app's mount point."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :]
+    return path
 
 
 def _header_list(names: Sequence[str], limit: int = 512) -> str:

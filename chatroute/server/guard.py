@@ -8,13 +8,22 @@ import json
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatroute.server.errors import APIError
 
-__all__ = ["RequestGuard", "check_json", "send_error"]
+__all__ = [
+    "Admission",
+    "Admitted",
+    "NotJSON",
+    "RequestGuard",
+    "check_json",
+    "parse_json",
+    "send_error",
+]
 
 
 async def send_error(send: Send, error: APIError) -> None:
@@ -33,7 +42,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class _NotJSON(ValueError):
+class _ConstantRefused(ValueError):
     pass
 
 
@@ -41,12 +50,22 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _reject_constant(name: str) -> Any:
-    raise _NotJSON(f"the body contains {name}, which is not valid JSON")
+    raise _ConstantRefused(f"the body contains {name}, which is not valid JSON")
 
 
-def check_json(body: bytes, max_depth: int) -> APIError | None:
-    """The error for a JSON body the app must not see, or None (bodies that are not JSON at
-    all are left to the app, which explains what it expected).
+class NotJSON:
+    """What `parse_json` returns for a body that is not JSON at all (`error` says why: a
+    `json.JSONDecodeError`, or the `ValueError` of a number too long to convert)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ValueError) -> None:
+        self.error = error
+
+
+def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
+    """The parsed body (a `NotJSON` when it is not JSON at all, which the endpoint explains
+    in its own terms) and the error for a JSON body the app must not see, or None.
 
     Refused: bytes that are not UTF-8, `NaN` / `Infinity` (and numbers too large for a
     float, which would become one), nesting deeper than `max_depth` arrays and objects,
@@ -56,42 +75,47 @@ def check_json(body: bytes, max_depth: int) -> APIError | None:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return APIError(
+        return None, APIError(
             400, f"the body is not valid UTF-8 (at byte {exc.start})", code="invalid_encoding"
         )
     try:
         data = json.loads(text, parse_constant=_reject_constant)
-    except _NotJSON as exc:
-        return APIError(400, str(exc), code="invalid_json")
+    except _ConstantRefused as exc:
+        return None, APIError(400, str(exc), code="invalid_json")
     except RecursionError:
-        return _too_deep(max_depth)
-    except ValueError:
-        return None
+        return None, _too_deep(max_depth)
+    except ValueError as exc:
+        return NotJSON(exc), None
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict):
             if depth > max_depth:
-                return _too_deep(max_depth)
+                return None, _too_deep(max_depth)
             for key, item in value.items():
                 if _SURROGATE.search(key):
-                    return _bad_surrogate()
+                    return None, _bad_surrogate()
                 if isinstance(item, dict | list | str | float):
                     stack.append((item, depth + 1))
         elif isinstance(value, list):
             if depth > max_depth:
-                return _too_deep(max_depth)
+                return None, _too_deep(max_depth)
             stack.extend(
                 (item, depth + 1) for item in value if isinstance(item, dict | list | str | float)
             )
         elif isinstance(value, str):
             if _SURROGATE.search(value):
-                return _bad_surrogate()
+                return None, _bad_surrogate()
         elif isinstance(value, float) and not math.isfinite(value):
-            return APIError(
+            return None, APIError(
                 400, "the body contains a number too large for JSON", code="invalid_json"
             )
-    return None
+    return data, None
+
+
+def check_json(body: bytes, max_depth: int) -> APIError | None:
+    """The error for a JSON body the app must not see, or None (see `parse_json`)."""
+    return parse_json(body, max_depth)[1]
 
 
 def _too_deep(max_depth: int) -> APIError:
@@ -104,35 +128,40 @@ def _bad_surrogate() -> APIError:
     )
 
 
-class RequestGuard:
-    """Checks every request before the app parses it.
+@dataclass(frozen=True)
+class Admitted:
+    """A request the admission checks let through: its whole body, and that body parsed
+    (a `NotJSON` when it is not JSON; None when there is no body or it is not a `/v1` call)."""
+
+    body: bytes
+    data: Any
+
+
+class Admission:
+    """The checks every request passes before the app parses it.
 
     - `/v1/*` calls need a valid `Authorization: Bearer` key (when keys are set): 401.
     - Bodies over `max_body_bytes` are refused (413), and so are bodies that do not arrive
       within `body_timeout` seconds (408: slow senders cannot hold a worker).
     - JSON bodies on `/v1/*` must be UTF-8, nest at most `max_json_depth` levels and carry
-      no `NaN`, `Infinity` or unpaired surrogates (400, see `check_json`).
-
-    The body is read here, bounded, and replayed to the app; later `receive` calls (the
-    disconnect message) go to the server as usual.
+      no `NaN`, `Infinity` or unpaired surrogates (400, see `parse_json`).
     """
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
         api_keys: Sequence[str],
         max_body_bytes: int,
         max_json_depth: int = 64,
         body_timeout: float | None = 30.0,
     ) -> None:
-        self.app = app
         self._keys = [key.encode() for key in api_keys if key]
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
         self.body_timeout = body_timeout
 
-    def _authorised(self, scope: Scope) -> bool:
+    def authorised(self, scope: Scope) -> bool:
+        """Whether the request carries one of the keys (always, when there are none)."""
         if not self._keys:
             return True
         for name, value in scope.get("headers", ()):
@@ -148,25 +177,24 @@ class RequestGuard:
                 return matched
         return False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope.get("path", "")
-        if path.startswith("/v1/") and not self._authorised(scope):
-            await send_error(
-                send,
-                APIError(
-                    401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"www-authenticate": "Bearer"},
-                ),
-            )
-            return
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
+    async def refuse_unauthorised(self, scope: Scope, send: Send) -> bool:
+        """Answer 401 to a `/v1/*` call without a valid key; whether it did."""
+        if not scope.get("path", "").startswith("/v1/") or self.authorised(scope):
+            return False
+        await send_error(
+            send,
+            APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            ),
+        )
+        return True
+
+    async def admit_body(self, scope: Scope, receive: Receive, send: Send) -> Admitted | None:
+        """Read the body within the limits and check it; None when the request has been
+        answered here (413, 408, 400) or the caller left before sending all of it."""
         try:
             async with asyncio.timeout(self.body_timeout):
                 body = await self._read_body(scope, receive)
@@ -179,7 +207,7 @@ class RequestGuard:
                     code="request_too_large",
                 ),
             )
-            return
+            return None
         except TimeoutError:
             await send_error(
                 send,
@@ -190,24 +218,16 @@ class RequestGuard:
                     headers={"connection": "close"},
                 ),
             )
-            return
+            return None
         if body is None:  # the client left before sending the whole body
-            return
-        if body and path.startswith("/v1/"):
-            problem = check_json(body, self.max_json_depth)
+            return None
+        data: Any = None
+        if body and scope.get("path", "").startswith("/v1/"):
+            data, problem = parse_json(body, self.max_json_depth)
             if problem is not None:
                 await send_error(send, problem)
-                return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+                return None
+        return Admitted(body, data)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -233,3 +253,39 @@ class RequestGuard:
                 parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+class RequestGuard:
+    """ASGI middleware applying an `Admission` to every request.
+
+    The body is read there, bounded, and replayed to the app; later `receive` calls (the
+    disconnect message) go to the server as usual.
+    """
+
+    def __init__(self, app: ASGIApp, *, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if await self.admission.refuse_unauthorised(scope, send):
+            return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        admitted = await self.admission.admit_body(scope, receive, send)
+        if admitted is None:
+            return
+        body = admitted.body
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
