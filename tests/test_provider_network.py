@@ -1,5 +1,5 @@
-"""The provider's HTTP plumbing: its pooled aiohttp-backed client, transport failures, TLS and
-the SSE event reader."""
+"""The provider's HTTP plumbing: its pooled aiohttp session (or a given httpx client),
+transport failures, TLS and the SSE event reader."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import gzip
 import json
 import random
 import ssl
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -24,6 +26,7 @@ from chatroute.providers import (
     OpenAIChatClient,
     ProviderConnectionError,
     ProviderTimeoutError,
+    RateLimitedError,
     StreamInterruptedError,
     classify,
 )
@@ -167,6 +170,226 @@ async def test_an_owned_client_runs_on_aiohttp_and_a_given_one_is_left_alone() -
         await given.aclose()
     assert owned._http.is_closed and not given_http.is_closed
     await given_http.aclose()
+
+
+async def keep_alive_server(
+    answer: Callable[[bytes, bytes], bytes], heads: list[bytes]
+) -> asyncio.Server:
+    """A raw-socket upstream that answers each request on a connection with `answer(head, body)`
+    and records the request heads."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head, body = await read_request(reader)
+                heads.append(head)
+                writer.write(answer(head, body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await serve(handler)
+
+
+def completion_or_stream(head: bytes, body: bytes) -> bytes:
+    if json.loads(body).get("stream"):
+        events = [chunk_event("over "), chunk_event("tls"), chunk_event(None, "stop")]
+        return sse_answer([*events, "[DONE]"])
+    return json_answer(COMPLETION)
+
+
+async def test_an_owned_client_sends_on_its_aiohttp_session_without_httpx_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    heads: list[bytes] = []
+    server = await keep_alive_server(completion_or_stream, heads)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+
+    def no_httpx(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an httpx request was built on the success path")
+
+    async def no_send(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the httpx client was sent on")
+
+    try:
+        assert client._aio is not None and client._aio.session is None  # made on first use
+        monkeypatch.setattr(http, "Request", no_httpx)
+        monkeypatch.setattr(client._http, "send", no_send)
+        assert (await client.get_response(HI)).text == "over tls"
+        assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
+        assert isinstance(client._aio.session, aiohttp.ClientSession)
+        assert len(heads) == 2
+        sent = heads[0].decode("latin-1").lower()
+        assert "accept-encoding: gzip, deflate\r\n" in sent  # what aiohttp decodes
+        assert "content-type: application/json\r\n" in sent
+        assert "x-stainless-retry-count: 0\r\n" in sent
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_a_compressed_answer_is_decoded() -> None:
+    def gzipped(head: bytes, body: bytes) -> bytes:
+        if json.loads(body).get("stream"):
+            events = [chunk_event("over "), chunk_event("tls"), chunk_event(None, "stop")]
+            payload = b"".join(f"data: {e}\n\n".encode() for e in [*events, "[DONE]"])
+            kind = b"text/event-stream"
+        else:
+            payload, kind = json.dumps(COMPLETION).encode(), b"application/json"
+        packed = gzip.compress(payload)
+        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-encoding: gzip\r\n" % kind + (
+            b"content-length: %d\r\n\r\n%s" % (len(packed), packed)
+        )
+
+    server = await keep_alive_server(gzipped, [])
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    try:
+        assert (await client.get_response(HI)).text == "over tls"
+        assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_a_compressed_error_answer_keeps_its_status_error() -> None:
+    def limited(head: bytes, body: bytes) -> bytes:
+        packed = gzip.compress(json.dumps({"error": {"message": "slow down"}}).encode())
+        return (
+            b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+            b"content-encoding: gzip\r\nretry-after: 7\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(packed), packed)
+        )
+
+    server = await keep_alive_server(limited, [])
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    try:
+        with pytest.raises(RateLimitedError) as caught:
+            await client.get_response(HI)
+        assert caught.value.retry_after == 7 and caught.value.status_code == 429
+        assert caught.value.error_message == "slow down"
+        assert isinstance(caught.value.__cause__, openai.RateLimitError)
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_cookies_set_by_the_upstream_are_never_sent_back() -> None:
+    heads: list[bytes] = []
+
+    def with_cookie(head: bytes, body: bytes) -> bytes:
+        answer = completion_or_stream(head, body)
+        status, _, rest = answer.partition(b"\r\n")
+        return status + b"\r\nset-cookie: session=caller-one; Path=/\r\n" + rest
+
+    server = await keep_alive_server(with_cookie, heads)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    view = client.with_timeouts(request_timeout=30)
+    try:
+        await client.get_response(HI)
+        await client.get_response(HI)
+        [u async for u in client.get_streaming_response(HI)]
+        await view.get_response(HI)
+        assert len(heads) == 4
+        assert all(b"cookie" not in head.lower() for head in heads)
+    finally:
+        await client.aclose()
+        server.close()
+
+
+async def test_aclose_closes_the_session_and_a_view_closes_nothing() -> None:
+    heads: list[bytes] = []
+    server = await keep_alive_server(completion_or_stream, heads)
+    client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
+    view = client.with_timeouts(first_token_timeout=30)
+    try:
+        # The view's first call makes the session: the client and its views share it.
+        assert "".join([u.text async for u in view.get_streaming_response(HI)]) == "over tls"
+        session = client._aio.session if client._aio is not None else None
+        assert isinstance(session, aiohttp.ClientSession)
+        assert view._aio is client._aio
+        await view.aclose()
+        assert not session.closed
+        with pytest.raises(RuntimeError):
+            await view.get_response(HI)
+        assert (await client.get_response(HI)).text == "over tls"  # the same connection
+        assert len(heads) == 2
+    finally:
+        await client.aclose()
+        server.close()
+    assert session.closed and client._http.is_closed
+    assert client._aio is not None and client._aio.session is None
+    await client.aclose()  # idempotent
+    with pytest.raises(RuntimeError):
+        await client.get_response(HI)
+
+
+async def test_a_given_http_client_is_sent_on() -> None:
+    heads: list[bytes] = []
+    server = await keep_alive_server(completion_or_stream, heads)
+    sent: list[http.Request] = []
+
+    async def record(request: http.Request) -> None:
+        sent.append(request)
+
+    given_http = http.AsyncClient(event_hooks={"request": [record]})
+    client = OpenAIChatClient(
+        "m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", http_client=given_http
+    )
+    try:
+        assert client._aio is None
+        assert (await client.get_response(HI)).text == "over tls"
+        assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
+        assert len(sent) == len(heads) == 2
+        assert all(str(r.url).endswith("/v1/chat/completions") for r in sent)
+    finally:
+        await client.aclose()
+        server.close()
+    assert not given_http.is_closed
+    await given_http.aclose()
+
+
+async def test_cancelling_a_started_stream_drops_its_connection() -> None:
+    connections = 0
+    hung_up = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            while True:
+                _, body = await read_request(reader)
+                if json.loads(body).get("stream"):
+                    answer = sse_answer([chunk_event("one "), chunk_event("two")])
+                    writer.write(answer[: answer.index(b"0\r\n\r\n") - 20])  # then silence
+                    await writer.drain()
+                    await reader.read()  # until the client hangs up
+                    hung_up.set()
+                    break
+                writer.write(json_answer(COMPLETION))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async with provider_on(handler) as client:
+        assert (await client.get_response(HI)).text == "over tls"
+        received: list[str] = []
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for update in client.get_streaming_response(HI):
+                received.append(update.text)
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert received == ["one "]
+        await asyncio.wait_for(hung_up.wait(), 5)  # closed at once, not left to the pool
+        assert (await client.get_response(HI)).text == "over tls"
+        assert connections == 2
 
 
 async def test_a_refused_connection_is_a_connect_failure_not_a_timeout() -> None:

@@ -9,9 +9,10 @@ import datetime
 import functools
 import json
 import logging
+import os
 import ssl
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import openai
@@ -49,9 +50,28 @@ from chatroute.providers.mapping import (
     update_from_openai_chunk,
 )
 
+if TYPE_CHECKING:
+    from chatroute.providers._aio import AioSession
+
 __all__ = ["OpenAIChatClient"]
 
 _log = logging.getLogger(__name__)
+
+
+class _Body(Protocol):
+    """A started response whose body is still to be read: what `_send` returns.
+
+    An httpx response (a given `http_client`) or an `_aio.AioResponse` (an owned client).
+    """
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
 _OPENED: contextvars.ContextVar[list[http.Response] | None] = contextvars.ContextVar(
@@ -60,15 +80,26 @@ _OPENED: contextvars.ContextVar[list[http.Response] | None] = contextvars.Contex
 
 
 async def _record_response(response: http.Response) -> None:
-    """HTTP response hook: remember the response for the `_post` call running in this task."""
+    """httpx response hook: remember the response for the `_send_http` call in this task."""
     opened = _OPENED.get()
     if opened is not None:
         opened.append(response)
 
 
-async def _close_quietly(response: http.Response) -> None:
+def _close_uninterruptibly(response: _Body) -> Awaitable[None]:
+    """Close `response` in a way a cancellation of the caller cannot interrupt.
+
+    An httpx response's `aclose()` may suspend, so it runs shielded; an `AioResponse`
+    closes without suspending, so it needs no shield (and no task).
+    """
+    if isinstance(response, http.Response):
+        return asyncio.shield(response.aclose())
+    return response.aclose()
+
+
+async def _close_quietly(response: _Body) -> None:
     try:
-        await asyncio.shield(response.aclose())
+        await _close_uninterruptibly(response)
     except BaseException as exc:  # never mask the error being raised
         _log.debug("closing an interrupted response failed: %r", exc)
 
@@ -79,16 +110,55 @@ def _shared_ssl_context() -> ssl.SSLContext:
     return http.create_ssl_context(trust_env=True)
 
 
+def _ssl_context(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext:
+    """The SSL context for a `verify` setting (True is the shared verifying one)."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if verify is True:
+        return _shared_ssl_context()
+    if verify is False:
+        return http.create_ssl_context(verify=False, trust_env=False)
+    if os.path.isdir(verify):
+        return ssl.create_default_context(capath=verify)
+    return ssl.create_default_context(cafile=verify)
+
+
+def _aio_session(
+    *,
+    url: str,
+    max_connections: int,
+    keepalive_expiry: float,
+    verify: bool | str | ssl.SSLContext,
+    timeout: http.Timeout,
+) -> AioSession | None:
+    """The aiohttp session an owned client sends on, or None when aiohttp is not installed.
+
+    Its settings are the ones the SDK's aiohttp transport would use (`_aio.AioSession`).
+    """
+    try:
+        from chatroute.providers._aio import AioSession
+    except ImportError:
+        return None
+    return AioSession(
+        url,
+        max_connections=max_connections,
+        keepalive_expiry=keepalive_expiry,
+        ssl_context=_ssl_context(verify),
+        connect_timeout=timeout.connect,
+        read_timeout=timeout.read,
+        pool_timeout=timeout.pool,
+    )
+
+
 def _pooled_http_client(
     *, timeout: http.Timeout, limits: http.Limits, verify: bool | str | ssl.SSLContext
 ) -> http.AsyncClient:
-    """The pooled HTTP client a provider owns: the SDK's aiohttp-backed client.
+    """The pooled httpx client a provider owns: the SDK's aiohttp-backed client.
 
     `openai.DefaultAioHttpClient` is the SDK's own httpx client on an aiohttp transport
-    (the `openai[aiohttp]` extra): aiohttp parses responses in C and speaks to the event
-    loop directly, which roughly halves the CPU the HTTP layer costs per proxied call
-    compared with httpx's pure-Python HTTP/1.1 stack. Without aiohttp the plain httpx
-    client is used.
+    (the `openai[aiohttp]` extra). With aiohttp installed the provider does not send on it
+    (see `_aio_session`); it is what the SDK client is built on. Without aiohttp the plain
+    httpx client is used, and sent on.
     """
     settings: dict[str, Any] = {
         "timeout": timeout,
@@ -266,14 +336,20 @@ class OpenAIChatClient(ChatClient):
 
     TLS: `verify` is True (the system CA bundle, loaded once per process), False, a CA
     bundle path or an `ssl.SSLContext`. The client owns the SDK client and its pooled HTTP
-    client unless `http_client` is given (then that one is the caller's to close);
-    `aclose()` is idempotent.
+    clients (its aiohttp session and the SDK's httpx client) unless `http_client` is given
+    (then that one is the caller's to close); `aclose()` is idempotent.
 
     Per-request cost: the SDK client supplies the URL, headers, timeouts and error types,
     but a call does not go through the SDK's per-request machinery; the request the SDK
-    would send is built here and sent on its HTTP client (see `_send`). An owned HTTP
-    client is the SDK's aiohttp-backed one (`openai.DefaultAioHttpClient`); a given
-    `http_client` is used as it is.
+    would send is built here (see `_send`). An owned client (no `http_client`) sends it
+    on its own pooled `aiohttp.ClientSession` (`chatroute.providers._aio`), made on the
+    first call and closed by `aclose()`, with no httpx request or response on the way
+    unless the call fails (errors are then the SDK's, as through its aiohttp transport);
+    the SDK client is built on the SDK's aiohttp-backed httpx client
+    (`openai.DefaultAioHttpClient`), which sends nothing then. Without aiohttp, and for a
+    given `http_client` (used as it is), the request is an httpx one sent on that client.
+    The owned session keeps no cookies: what an upstream sets for one call is never sent
+    with another.
     """
 
     def __init__(
@@ -376,6 +452,18 @@ class OpenAIChatClient(ChatClient):
         self._url = base.copy_with(raw_path=base.raw_path + b"chat/completions")
         self._extensions: dict[str, Any] = {"timeout": timeout.as_dict()}
         self._headers: http.Headers | None = None
+        self._aio_headers: tuple[tuple[str, str], ...] | None = None
+        # An owned client sends on its own aiohttp session when aiohttp is installed (shared
+        # by `with_timeouts` views); a given `http_client` is sent on.
+        self._aio: AioSession | None = None
+        if http_client is None:
+            self._aio = _aio_session(
+                url=str(self._url),
+                max_connections=max_connections,
+                keepalive_expiry=keepalive_expiry,
+                verify=verify,
+                timeout=timeout,
+            )
 
     def __repr__(self) -> str:
         return (
@@ -413,12 +501,19 @@ class OpenAIChatClient(ChatClient):
     # ------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
-        """Close the SDK client and, when owned, the pooled HTTP client; idempotent."""
+        """Close, when owned, the aiohttp session and the SDK's HTTP client; idempotent.
+
+        A `with_timeouts` view closes nothing.
+        """
         if self._closed:
             return
         self._closed = True
         if self._owns_http:
-            await self._http.aclose()
+            try:
+                if self._aio is not None:
+                    await self._aio.aclose()
+            finally:
+                await self._http.aclose()
 
     def _check_open(self) -> None:
         if self._closed or (self._parent is not None and self._parent._closed):
@@ -471,19 +566,83 @@ class OpenAIChatClient(ChatClient):
             self._headers = headers
         return headers
 
-    async def _send(self, body: dict[str, Any]) -> http.Response:
+    def _aio_request_headers(self) -> tuple[tuple[str, str], ...]:
+        """`_request_headers` as the (name, value) pairs aiohttp sends, names as written."""
+        headers = self._aio_headers
+        if headers is None:
+            headers = tuple(
+                (name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in self._request_headers().raw
+            )
+            self._aio_headers = headers
+        return headers
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        """The JSON request body, encoded as the SDK encodes it."""
+        return json.dumps(
+            body,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            allow_nan=False,
+            default=_json_default,
+        ).encode()
+
+    def _transport_error(self, exc: BaseException, request: http.Request) -> openai.APIError:
+        """The SDK's exception for a transport failure (`exc` is its cause)."""
+        if is_timeout(exc):
+            return openai.APITimeoutError(request=request)
+        return openai.APIConnectionError(request=request)
+
+    async def _send(self, body: dict[str, Any]) -> _Body:
         """POST the body and return the raw, unread HTTP response of a 2xx answer.
 
         The request is what the SDK's `chat.completions.create` sends (its URL, headers,
-        timeouts and JSON encoding, built once per client by `_request_headers`), sent on
-        the SDK's pooled HTTP client without the SDK's per-request machinery (options
-        models, parameter transforms, retry loop), which cost more than the rest of a
-        proxied call. Failures are the SDK's exceptions, made as the SDK makes them:
+        timeouts and JSON encoding, built once per client by `_request_headers`), sent
+        without the SDK's per-request machinery (options models, parameter transforms,
+        retry loop), which cost more than the rest of a proxied call: on the client's own
+        aiohttp session when it has one (`_send_aio`), else on the httpx client
+        (`_send_http`). Failures are the SDK's exceptions, made as the SDK makes them:
         `APIStatusError` subclasses for non-2xx answers, `APITimeoutError` and
         `APIConnectionError` for transport failures. The body is read by the caller, as
         plain JSON, which is far cheaper per chunk than the SDK's models and lets the
         stream be checked for `[DONE]`, keep-alives and error events.
         """
+        content = self._encode(body)
+        aio = self._aio
+        if aio is not None:
+            return await self._send_aio(aio, content)
+        return await self._send_http(content)
+
+    async def _send_aio(self, aio: AioSession, content: bytes) -> _Body:
+        """`_send` on the aiohttp session: no httpx request or response unless it fails.
+
+        aiohttp errors come as the httpx errors the SDK's aiohttp transport raises (see
+        `_aio.map_error`), so they are classified as through that transport. A non-2xx
+        answer is read, closed and handed to the SDK as an httpx response.
+        """
+        try:
+            response = await aio.post(self._aio_request_headers(), content)
+        except (http.RequestError, ssl.SSLError) as exc:
+            request = http.Request(
+                "POST", self._url, headers=self._request_headers(), content=content
+            )
+            raise self._transport_error(exc, request) from exc
+        # aiohttp closes the connection when interrupted before the response is returned,
+        # and nothing here waits between getting the response and returning it but the
+        # reading of an error answer (which closes it whatever happens).
+        if 200 <= response.status < 300:
+            return response
+        try:
+            raw = await response.aread()
+        finally:
+            await response.aclose()
+        request = http.Request("POST", self._url, headers=self._request_headers(), content=content)
+        raise self._client._make_status_error_from_response(
+            response.to_httpx(raw, request)
+        ) from None
+
+    async def _send_http(self, content: bytes) -> http.Response:
+        """`_send` on the httpx client (a given `http_client`, or the plain httpx one)."""
         opened: list[http.Response] = []
         token = _OPENED.set(opened)
         request: http.Request | None = None
@@ -492,13 +651,7 @@ class OpenAIChatClient(ChatClient):
                 "POST",
                 self._url,
                 headers=self._request_headers(),
-                content=json.dumps(
-                    body,
-                    ensure_ascii=False,
-                    separators=(",", ":"),
-                    allow_nan=False,
-                    default=_json_default,
-                ).encode(),
+                content=content,
                 extensions=self._extensions,
             )
             if self._http.cookies:
@@ -506,9 +659,7 @@ class OpenAIChatClient(ChatClient):
             try:
                 response = await self._http.send(request, stream=True)
             except (http.RequestError, ssl.SSLError, anyio.EndOfStream) as exc:
-                if is_timeout(exc):
-                    raise openai.APITimeoutError(request=request) from exc
-                raise openai.APIConnectionError(request=request) from exc
+                raise self._transport_error(exc, request) from exc
             if not response.is_success:
                 try:
                     await response.aread()
@@ -606,7 +757,7 @@ class OpenAIChatClient(ChatClient):
         started = loop.time()
         total_deadline = started + self.request_timeout if self.request_timeout else None
         first_deadline = started + self.first_token_timeout if self.first_token_timeout else None
-        response: http.Response | None = None
+        response: _Body | None = None
         events: _SSEReader | None = None
         committed = False
         finished = False  # a finish reason or [DONE] arrived: the answer is complete
@@ -749,6 +900,6 @@ class OpenAIChatClient(ChatClient):
         finally:
             if response is not None:
                 try:
-                    await asyncio.shield(response.aclose())
+                    await _close_uninterruptibly(response)
                 except Exception as exc:  # closing must never hide the real outcome
                     _log.debug("provider %s: closing the stream failed: %r", self.name, exc)
