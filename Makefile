@@ -55,8 +55,11 @@ bench-core: $(STAMP)
 bench-routing: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/routing_clinc150.py
 
+# The service's targets, then the floor under the proxy-overhead one (what each layer of the
+# serving stack adds with no chatroute code at all).
 bench-service: $(STAMP)
 	$(BIN)/python bench/service_bench.py
+	$(BIN)/python bench/proxy_floor.py
 
 # 200 streaming clients for 5 minutes through the real service, 2% injected faults.
 bench-soak: $(STAMP)

@@ -29,6 +29,7 @@ from chatroute.server.app import (
 )
 from chatroute.server.guard import RequestGuard
 from chatroute.server.tracing import RequestTrace
+from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider
 
 
 class Connection:
@@ -259,19 +260,9 @@ def test_the_api_answers_not_ready_before_validating_a_body() -> None:
 
 # ------------------------------------------------------- the chat endpoint's fast dispatch
 
+# The config of the HTTP-layer tests, with limits the hostile cases below cross.
 FAST_CONFIG = {
-    "routing": {"top_k": 3, "threshold": 0.3, "default_route": "general"},
-    "providers": {
-        "fast": {"base_url": "http://127.0.0.1:1/v1", "model": "small-model"},
-        "strong": {"base_url": "http://127.0.0.1:2/v1", "model": "big-model"},
-    },
-    "routes": {
-        "code": {
-            "utterances": ["fix this python bug", "write a python function"],
-            "targets": ["fast"],
-        },
-        "general": {"targets": ["strong"]},
-    },
+    **CONFIG,
     "server": {"max_body_bytes": 8192, "max_messages": 4, "max_json_depth": 8},
 }
 
@@ -353,8 +344,6 @@ def _answer(client: TestClient, body: bytes, ctype: str | None, extra: dict[str,
 
 
 def _answers(fast: bool, *, keys: list[str], ready: bool = True) -> list[Any]:
-    from tests.test_server import BagOfWordsEmbedder, Provider
-
     config = parse_config(FAST_CONFIG, environ={})
     providers = {"fast": Provider("fast", "quick answer"), "strong": Provider("strong", "sure")}
     engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
@@ -406,8 +395,6 @@ def test_the_fast_dispatch_refuses_a_missing_key_and_skips_fastapi(
         await original(self, scope, receive, send)
 
     monkeypatch.setattr(RequestGuard, "__call__", counting)
-    from tests.test_server import BagOfWordsEmbedder, Provider
-
     config = parse_config(FAST_CONFIG, environ={})
     providers = {"fast": Provider("fast"), "strong": Provider("strong")}
     engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
