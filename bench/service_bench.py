@@ -439,7 +439,9 @@ def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: i
             "Added = chatroute minus direct, per percentile; paired median = median over pairs "
             "of (chatroute - direct); service CPU = the service process's CPU time per request "
             "(whole stream for streaming). Published third-party figures for comparison: "
-            "LiteLLM 4.3 ms, Portkey 2.4 ms, Bifrost 0.4 ms (their machines, not this one).",
+            "LiteLLM 4.3 ms, Portkey 2.4 ms, Bifrost 0.4 ms (their machines, not this one). "
+            "What the serving stack itself adds on this machine, layer by layer: the "
+            "proxy-overhead floor below (`bench/proxy_floor.py`).",
         ]
     )
 
