@@ -77,12 +77,11 @@ class AioResponse:
     the `__cause__`.
     """
 
-    __slots__ = ("_response", "is_closed", "status")
+    __slots__ = ("_response", "status")
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.status = response.status
-        self.is_closed = False
 
     async def aread(self) -> bytes:
         try:
@@ -94,7 +93,6 @@ class AioResponse:
         return _Chunks(self._response)
 
     async def aclose(self) -> None:
-        self.is_closed = True
         self._response.close()
 
     def to_httpx(self, content: bytes, request: http.Request) -> http.Response:
@@ -163,10 +161,6 @@ class AioSession:
     def session(self) -> aiohttp.ClientSession | None:
         """The session, once a request has made it."""
         return self._session
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:

@@ -7,7 +7,7 @@ import email.utils
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -401,12 +401,20 @@ _TRANSPORT_TYPES: tuple[type[BaseException], ...] = (
 _NETWORK_TYPES = _TRANSPORT_TYPES + _TIMEOUT_TYPES
 
 
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then each exception of its explicit `raise ... from` chain, innermost last."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The innermost exception of an explicit `raise ... from` chain."""
-    seen = {id(exc)}
-    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
-        exc = exc.__cause__
-        seen.add(id(exc))
+    for cause in _causes(exc):
+        exc = cause
     return exc
 
 
@@ -420,13 +428,9 @@ def is_timeout(exc: BaseException) -> bool:
     """
     if not isinstance(exc, _TIMEOUT_TYPES):
         return False
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    for cause in _causes(exc):
         if type(cause).__module__.split(".", 1)[0] == "aiohttp":
             return isinstance(cause, TimeoutError)
-        cause = cause.__cause__
     return True
 
 

@@ -64,9 +64,6 @@ class _Body(Protocol):
     An httpx response (a given `http_client`) or an `_aio.AioResponse` (an owned client).
     """
 
-    @property
-    def is_closed(self) -> bool: ...
-
     async def aread(self) -> bytes: ...
 
     def aiter_bytes(self) -> AsyncIterator[bytes]: ...
@@ -128,7 +125,7 @@ def _aio_session(
     url: str,
     max_connections: int,
     keepalive_expiry: float,
-    verify: bool | str | ssl.SSLContext,
+    ssl_context: ssl.SSLContext,
     timeout: http.Timeout,
 ) -> AioSession | None:
     """The aiohttp session an owned client sends on, or None when aiohttp is not installed.
@@ -143,7 +140,7 @@ def _aio_session(
         url,
         max_connections=max_connections,
         keepalive_expiry=keepalive_expiry,
-        ssl_context=_ssl_context(verify),
+        ssl_context=ssl_context,
         connect_timeout=timeout.connect,
         read_timeout=timeout.read,
         pool_timeout=timeout.pool,
@@ -151,7 +148,7 @@ def _aio_session(
 
 
 def _pooled_http_client(
-    *, timeout: http.Timeout, limits: http.Limits, verify: bool | str | ssl.SSLContext
+    *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext
 ) -> http.AsyncClient:
     """The pooled httpx client a provider owns: the SDK's aiohttp-backed client.
 
@@ -423,15 +420,19 @@ class OpenAIChatClient(ChatClient):
             pool=_positive("pool_timeout", pool_timeout),
         )
         self._owns_http = http_client is None
-        self._http = http_client or _pooled_http_client(
-            timeout=timeout,
-            limits=http.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_keepalive_connections,
-                keepalive_expiry=keepalive_expiry,
-            ),
-            verify=_shared_ssl_context() if verify is True else verify,
-        )
+        tls: ssl.SSLContext | None = None  # one context for both owned clients
+        if http_client is None:
+            tls = _ssl_context(verify)
+            http_client = _pooled_http_client(
+                timeout=timeout,
+                limits=http.Limits(
+                    max_connections=max_connections,
+                    max_keepalive_connections=max_keepalive_connections,
+                    keepalive_expiry=keepalive_expiry,
+                ),
+                verify=tls,
+            )
+        self._http = http_client
         hooks = self._http.event_hooks
         if _record_response not in hooks.get("response", []):
             hooks.setdefault("response", []).append(_record_response)
@@ -456,12 +457,12 @@ class OpenAIChatClient(ChatClient):
         # An owned client sends on its own aiohttp session when aiohttp is installed (shared
         # by `with_timeouts` views); a given `http_client` is sent on.
         self._aio: AioSession | None = None
-        if http_client is None:
+        if tls is not None:
             self._aio = _aio_session(
                 url=str(self._url),
                 max_connections=max_connections,
                 keepalive_expiry=keepalive_expiry,
-                verify=verify,
+                ssl_context=tls,
                 timeout=timeout,
             )
 
@@ -587,6 +588,10 @@ class OpenAIChatClient(ChatClient):
             default=_json_default,
         ).encode()
 
+    def _sdk_request(self, content: bytes) -> http.Request:
+        """The httpx request for `content` that the SDK's exceptions are made with."""
+        return http.Request("POST", self._url, headers=self._request_headers(), content=content)
+
     def _transport_error(self, exc: BaseException, request: http.Request) -> openai.APIError:
         """The SDK's exception for a transport failure (`exc` is its cause)."""
         if is_timeout(exc):
@@ -623,10 +628,7 @@ class OpenAIChatClient(ChatClient):
         try:
             response = await aio.post(self._aio_request_headers(), content)
         except (http.RequestError, ssl.SSLError) as exc:
-            request = http.Request(
-                "POST", self._url, headers=self._request_headers(), content=content
-            )
-            raise self._transport_error(exc, request) from exc
+            raise self._transport_error(exc, self._sdk_request(content)) from exc
         # aiohttp closes the connection when interrupted before the response is returned,
         # and nothing here waits between getting the response and returning it but the
         # reading of an error answer (which closes it whatever happens).
@@ -636,9 +638,8 @@ class OpenAIChatClient(ChatClient):
             raw = await response.aread()
         finally:
             await response.aclose()
-        request = http.Request("POST", self._url, headers=self._request_headers(), content=content)
         raise self._client._make_status_error_from_response(
-            response.to_httpx(raw, request)
+            response.to_httpx(raw, self._sdk_request(content))
         ) from None
 
     async def _send_http(self, content: bytes) -> http.Response:

@@ -550,7 +550,7 @@ def create_app(
         body_timeout=config.server.body_timeout,
     )
     app.add_middleware(RequestGuard, admission=admission)
-    app.chat_endpoint = _ChatEndpoint(app, admission)
+    app.chat_endpoint = _ChatEndpoint(admission)
     return app
 
 
@@ -734,8 +734,7 @@ class _ChatEndpoint:
     this stack that machinery cost more than routing and failover together.
     """
 
-    def __init__(self, app: FastAPI, admission: Admission) -> None:
-        self.app = app
+    def __init__(self, admission: Admission) -> None:
         self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -758,27 +757,27 @@ class _ChatEndpoint:
         await response(scope, receive, send)
 
     async def _answer(self, request: Request, admitted: Admitted) -> Response:
-        data = admitted.data
+        # What FastAPI would validate: the parsed JSON of a JSON body, else the raw bytes.
         is_json = _is_json_type(request.scope)
-        if is_json and isinstance(data, NotJSON):
-            if isinstance(data.error, json.JSONDecodeError):
-                raise APIError(
-                    400,
-                    f"the body is not valid JSON: {data.error.msg}".rstrip(": "),
-                    code="invalid_json",
+        payload = admitted.data if is_json else admitted.body
+        if isinstance(payload, NotJSON):
+            error = payload.error
+            if isinstance(error, json.JSONDecodeError):
+                raise _validation_error(
+                    [
+                        {
+                            "type": "json_invalid",
+                            "loc": ("body", error.pos),
+                            "ctx": {"error": error.msg},
+                        }
+                    ]
                 )
             raise APIError(400, "the request body could not be parsed", code="invalid_body")
         service = _ready_service(request)
         if not admitted.body:
-            raise APIError(400, "a JSON object body is required", code="invalid_body")
-        if not is_json:
-            raise APIError(
-                400,
-                "the body must be a JSON object sent as application/json",
-                code="invalid_body",
-            )
+            raise _validation_error([{"type": "missing", "loc": ("body",)}])
         try:
-            body = ChatCompletionRequest.model_validate(data)
+            body = ChatCompletionRequest.model_validate(payload)
         except pydantic.ValidationError as exc:
             raise _validation_error(exc.errors()) from None
         return await _chat_completion(service, request, body)
@@ -865,7 +864,6 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             param="messages",
             code="too_many",
         )
-    limit = limits.max_message_chars
     for position, message in enumerate(messages):
         content = message.content
         if content is None:
@@ -874,8 +872,7 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             size = len(content)
         else:
             size = sum(len(part.text or "") for part in content)
-        if size > limit:
-            _check_length(service, size, f"messages[{position}].content")
+        _check_length(service, size, f"messages[{position}].content")
 
 
 def _check_length(service: Service, size: int, param: str) -> None:

@@ -1,4 +1,4 @@
-"""ASGI middleware: bearer keys, body size and read time, and JSON sanity, checked up front."""
+"""Admission checks (bearer keys, body size and time, JSON sanity) and their ASGI middleware."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ __all__ = [
     "Admitted",
     "NotJSON",
     "RequestGuard",
-    "check_json",
     "parse_json",
     "send_error",
 ]
@@ -111,11 +110,6 @@ def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
                 400, "the body contains a number too large for JSON", code="invalid_json"
             )
     return data, None
-
-
-def check_json(body: bytes, max_depth: int) -> APIError | None:
-    """The error for a JSON body the app must not see, or None (see `parse_json`)."""
-    return parse_json(body, max_depth)[1]
 
 
 def _too_deep(max_depth: int) -> APIError:
