@@ -12,11 +12,14 @@ stream, chunk by chunk), each one layer heavier than the one before:
 1. `asyncio` streams on uvloop on both sides: a hand-written HTTP/1.1 relay with one
    upstream connection (non-streaming only): the loop and the kernel, no framework.
 2. uvicorn (uvloop, httptools) serving a plain ASGI callable, same upstream side as 1.
-3. uvicorn + plain ASGI, posting with one pooled aiohttp session: the stack chatroute's
-   chat endpoint runs on (`_ChatEndpoint` in front of FastAPI, providers on aiohttp).
-4. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
+3. uvicorn + plain ASGI, posting on chatroute's provider connection pool
+   (`chatroute.providers._h1.H1Pool`): the stack chatroute's chat endpoint runs on
+   (`_ChatEndpoint` in front of FastAPI, providers on their own HTTP/1.1 pool).
+4. as 3, but posting with one pooled aiohttp session (what chatroute's providers used
+   before they had their own pool).
+5. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
    an ordinary FastAPI proxy endpoint.
-5. as 4, but posting through the openai SDK's httpx client on its aiohttp transport
+6. as 5, but posting through the openai SDK's httpx client on its aiohttp transport
    (`openai.DefaultAioHttpClient`, a streamed `send`).
 
 No validation, routing, failover, timeouts, metrics or error handling in any of them.
@@ -82,6 +85,44 @@ class RawUpstream:
         )
         head = await self.reader.readuntil(b"\r\n\r\n")
         return await self.reader.readexactly(content_length(head))
+
+
+class PoolUpstream:
+    def __init__(self):
+        self.pool = None
+        self.headers = tuple((k.encode(), v.encode()) for k, v in HEADERS.items())
+
+    def _pool(self):
+        import ssl
+
+        from chatroute.providers._h1 import H1Pool
+
+        if self.pool is None:
+            self.pool = H1Pool(
+                URL,
+                max_connections=100,
+                keepalive_expiry=30.0,
+                ssl_context=ssl.create_default_context(),
+                connect_timeout=5.0,
+                read_timeout=300.0,
+                pool_timeout=10.0,
+            )
+        return self.pool
+
+    async def post(self, body):
+        answer = await self._pool().post(self.headers, body)
+        try:
+            return await answer.aread()
+        finally:
+            await answer.aclose()
+
+    async def stream(self, body):
+        answer = await self._pool().post(self.headers, body)
+        try:
+            async for chunk in answer.aiter_bytes():
+                yield chunk
+        finally:
+            await answer.aclose()
 
 
 class AiohttpUpstream:
@@ -227,9 +268,10 @@ else:
 
     app = {
         "2": lambda: plain_asgi(RawUpstream()),
-        "3": lambda: plain_asgi(AiohttpUpstream()),
-        "4": lambda: fastapi_app(AiohttpUpstream()),
-        "5": lambda: fastapi_app(SdkHttpUpstream()),
+        "3": lambda: plain_asgi(PoolUpstream()),
+        "4": lambda: plain_asgi(AiohttpUpstream()),
+        "5": lambda: fastapi_app(AiohttpUpstream()),
+        "6": lambda: fastapi_app(SdkHttpUpstream()),
     }[RUNG]()
     uvicorn.run(app, host="127.0.0.1", port=PORT, log_level="warning", access_log=False)
 '''
@@ -237,9 +279,10 @@ else:
 RUNGS = [
     ("1", "asyncio streams relay (uvloop), raw upstream connection", False),
     ("2", "uvicorn + plain ASGI, raw upstream connection", False),
-    ("3", "uvicorn + plain ASGI, aiohttp session", True),
-    ("4", "uvicorn + FastAPI route, aiohttp session", True),
-    ("5", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),
+    ("3", "uvicorn + plain ASGI, chatroute's provider pool (H1Pool)", True),
+    ("4", "uvicorn + plain ASGI, aiohttp session", True),
+    ("5", "uvicorn + FastAPI route, aiohttp session", True),
+    ("6", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),
 ]
 
 

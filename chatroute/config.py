@@ -126,9 +126,9 @@ class ProviderTimeouts(_Strict):
     also accepted under its older name `request`. `first_token` bounds the wait for the
     first content-bearing event of a stream (connecting included); `stall` the silence
     between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
-    are the HTTP transport's limits; the aiohttp transport the providers use enforces
-    `connect`, `read` (between two socket reads) and `pool` (waiting for a pooled
-    connection, connecting included), not `write`.
+    are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
+    the next bytes of an answer), `write` (sending a request the upstream is slow to take
+    in) and `pool` (waiting for a free connection when all are in use).
     """
 
     connect: PositiveSeconds = 5.0

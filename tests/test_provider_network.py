@@ -1,4 +1,4 @@
-"""The provider's HTTP plumbing: its pooled aiohttp session (or a given httpx client),
+"""The provider's HTTP plumbing: its own connection pool (or a given httpx client),
 transport failures, TLS and the SSE event reader."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 
@@ -30,6 +29,7 @@ from chatroute.providers import (
     StreamInterruptedError,
     classify,
 )
+from chatroute.providers._h1 import H1Pool
 from chatroute.providers._http import http
 from chatroute.providers.openai_compat import _SSEReader
 from tests.fakes import FakeUpstream, Ok
@@ -158,12 +158,12 @@ async def provider_on(handler: Handler, **settings: Any) -> AsyncIterator[OpenAI
         server.close()
 
 
-async def test_an_owned_client_runs_on_aiohttp_and_a_given_one_is_left_alone() -> None:
+async def test_an_owned_client_has_its_own_pool_and_a_given_one_is_left_alone() -> None:
     owned = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
     given_http = http.AsyncClient()
     given = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", http_client=given_http)
     try:
-        assert isinstance(owned._http, openai.DefaultAioHttpClient)
+        assert isinstance(owned._pool, H1Pool) and given._pool is None
         assert given._http is given_http
     finally:
         await owned.aclose()
@@ -198,7 +198,7 @@ def completion_or_stream(head: bytes, body: bytes) -> bytes:
     return json_answer(COMPLETION)
 
 
-async def test_an_owned_client_sends_on_its_aiohttp_session_without_httpx_requests(
+async def test_an_owned_client_sends_on_its_pool_without_httpx_requests(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     heads: list[bytes] = []
@@ -212,15 +212,18 @@ async def test_an_owned_client_sends_on_its_aiohttp_session_without_httpx_reques
         raise AssertionError("the httpx client was sent on")
 
     try:
-        assert client._aio is not None and client._aio.session is None  # made on first use
+        assert client._pool is not None and client._pool.connections == 0  # opened on use
         monkeypatch.setattr(http, "Request", no_httpx)
         monkeypatch.setattr(client._http, "send", no_send)
         assert (await client.get_response(HI)).text == "over tls"
         assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
-        assert isinstance(client._aio.session, aiohttp.ClientSession)
+        assert client._pool.connections == 1  # one keep-alive connection for both
         assert len(heads) == 2
         sent = heads[0].decode("latin-1").lower()
-        assert "accept-encoding: gzip, deflate\r\n" in sent  # what aiohttp decodes
+        assert sent.startswith("post /v1/chat/completions http/1.1\r\n")
+        assert f"host: 127.0.0.1:{port_of(server)}\r\n" in sent
+        assert "accept-encoding: gzip, deflate\r\n" in sent  # what the pool decodes
+        assert sent.count("accept-encoding") == 1 and sent.count("content-length") == 1
         assert "content-type: application/json\r\n" in sent
         assert "x-stainless-retry-count: 0\r\n" in sent
     finally:
@@ -296,19 +299,18 @@ async def test_cookies_set_by_the_upstream_are_never_sent_back() -> None:
         server.close()
 
 
-async def test_aclose_closes_the_session_and_a_view_closes_nothing() -> None:
+async def test_aclose_closes_the_pool_and_a_view_closes_nothing() -> None:
     heads: list[bytes] = []
     server = await keep_alive_server(completion_or_stream, heads)
     client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
     view = client.with_timeouts(first_token_timeout=30)
     try:
-        # The view's first call makes the session: the client and its views share it.
+        # The client and its views share one pool.
         assert "".join([u.text async for u in view.get_streaming_response(HI)]) == "over tls"
-        session = client._aio.session if client._aio is not None else None
-        assert isinstance(session, aiohttp.ClientSession)
-        assert view._aio is client._aio
+        pool = client._pool
+        assert pool is not None and view._pool is pool and pool.connections == 1
         await view.aclose()
-        assert not session.closed
+        assert pool.connections == 1
         with pytest.raises(RuntimeError):
             await view.get_response(HI)
         assert (await client.get_response(HI)).text == "over tls"  # the same connection
@@ -316,8 +318,8 @@ async def test_aclose_closes_the_session_and_a_view_closes_nothing() -> None:
     finally:
         await client.aclose()
         server.close()
-    assert session.closed and client._http.is_closed
-    assert client._aio is not None and client._aio.session is None
+    await asyncio.sleep(0.01)  # the transport reports its close on the next loop turns
+    assert pool.connections == 0 and client._http.is_closed
     await client.aclose()  # idempotent
     with pytest.raises(RuntimeError):
         await client.get_response(HI)
@@ -336,7 +338,7 @@ async def test_a_given_http_client_is_sent_on() -> None:
         "m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", http_client=given_http
     )
     try:
-        assert client._aio is None
+        assert client._pool is None
         assert (await client.get_response(HI)).text == "over tls"
         assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
         assert len(sent) == len(heads) == 2

@@ -421,10 +421,10 @@ def _root_cause(exc: BaseException) -> BaseException:
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc` is a timeout (and not a broken connection reported as one).
 
-    The SDK's aiohttp transport (and `_aio.map_error`, which follows it) maps every aiohttp
-    connection error, timeout or not, to an httpx `ConnectTimeout` (a refused connection
-    and a server that hung up included), so an httpx timeout caused by an aiohttp error
-    counts as a timeout only when that aiohttp error is one.
+    The SDK's aiohttp transport (a given `http_client` may be `openai.DefaultAioHttpClient`)
+    maps every aiohttp connection error, timeout or not, to an httpx `ConnectTimeout` (a
+    refused connection and a server that hung up included), so an httpx timeout caused by
+    an aiohttp error counts as a timeout only when that aiohttp error is one.
     """
     if not isinstance(exc, _TIMEOUT_TYPES):
         return False

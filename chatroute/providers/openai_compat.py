@@ -12,7 +12,7 @@ import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 import openai
@@ -30,6 +30,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
+from chatroute.providers._h1 import H1Pool
 from chatroute.providers._http import http
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
@@ -50,9 +51,6 @@ from chatroute.providers.mapping import (
     update_from_openai_chunk,
 )
 
-if TYPE_CHECKING:
-    from chatroute.providers._aio import AioSession
-
 __all__ = ["OpenAIChatClient"]
 
 _log = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ _log = logging.getLogger(__name__)
 class _Body(Protocol):
     """A started response whose body is still to be read: what `_send` returns.
 
-    An httpx response (a given `http_client`) or an `_aio.AioResponse` (an owned client).
+    An httpx response (a given `http_client`) or an `_h1.H1Response` (an owned client).
     """
 
     async def aread(self) -> bytes: ...
@@ -86,7 +84,7 @@ async def _record_response(response: http.Response) -> None:
 def _close_uninterruptibly(response: _Body) -> Awaitable[None]:
     """Close `response` in a way a cancellation of the caller cannot interrupt.
 
-    An httpx response's `aclose()` may suspend, so it runs shielded; an `AioResponse`
+    An httpx response's `aclose()` may suspend, so it runs shielded; an `H1Response`
     closes without suspending, so it needs no shield (and no task).
     """
     if isinstance(response, http.Response):
@@ -120,55 +118,17 @@ def _ssl_context(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=verify)
 
 
-def _aio_session(
-    *,
-    url: str,
-    max_connections: int,
-    keepalive_expiry: float,
-    ssl_context: ssl.SSLContext,
-    timeout: http.Timeout,
-) -> AioSession | None:
-    """The aiohttp session an owned client sends on, or None when aiohttp is not installed.
-
-    Its settings are the ones the SDK's aiohttp transport would use (`_aio.AioSession`).
-    """
-    try:
-        from chatroute.providers._aio import AioSession
-    except ImportError:
-        return None
-    return AioSession(
-        url,
-        max_connections=max_connections,
-        keepalive_expiry=keepalive_expiry,
-        ssl_context=ssl_context,
-        connect_timeout=timeout.connect,
-        read_timeout=timeout.read,
-        pool_timeout=timeout.pool,
-    )
-
-
 def _pooled_http_client(
     *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext
 ) -> http.AsyncClient:
-    """The pooled httpx client a provider owns: the SDK's aiohttp-backed client.
+    """The httpx client the SDK client of an owned provider is built on.
 
-    `openai.DefaultAioHttpClient` is the SDK's own httpx client on an aiohttp transport
-    (the `openai[aiohttp]` extra). With aiohttp installed the provider does not send on it
-    (see `_aio_session`); it is what the SDK client is built on. Without aiohttp the plain
-    httpx client is used, and sent on.
+    The provider sends on its own `_h1.H1Pool`; this client sends nothing. It carries
+    the settings the SDK reads (default headers, timeouts) and is closed with the provider.
     """
-    settings: dict[str, Any] = {
-        "timeout": timeout,
-        "limits": limits,
-        "follow_redirects": False,
-        "trust_env": False,
-        "verify": verify,
-    }
-    try:
-        client: http.AsyncClient = openai.DefaultAioHttpClient(**settings)
-    except RuntimeError:  # the SDK's aiohttp extra is not installed
-        client = http.AsyncClient(**settings)
-    return client
+    return http.AsyncClient(
+        timeout=timeout, limits=limits, follow_redirects=False, trust_env=False, verify=verify
+    )
 
 
 class _Keep:
@@ -333,20 +293,18 @@ class OpenAIChatClient(ChatClient):
 
     TLS: `verify` is True (the system CA bundle, loaded once per process), False, a CA
     bundle path or an `ssl.SSLContext`. The client owns the SDK client and its pooled HTTP
-    clients (its aiohttp session and the SDK's httpx client) unless `http_client` is given
+    clients (its connection pool and the SDK's httpx client) unless `http_client` is given
     (then that one is the caller's to close); `aclose()` is idempotent.
 
     Per-request cost: the SDK client supplies the URL, headers, timeouts and error types,
     but a call does not go through the SDK's per-request machinery; the request the SDK
     would send is built here (see `_send`). An owned client (no `http_client`) sends it
-    on its own pooled `aiohttp.ClientSession` (`chatroute.providers._aio`), made on the
-    first call and closed by `aclose()`, with no httpx request or response on the way
-    unless the call fails (errors are then the SDK's, as through its aiohttp transport);
-    the SDK client is built on the SDK's aiohttp-backed httpx client
-    (`openai.DefaultAioHttpClient`), which sends nothing then. Without aiohttp, and for a
-    given `http_client` (used as it is), the request is an httpx one sent on that client.
-    The owned session keeps no cookies: what an upstream sets for one call is never sent
-    with another.
+    on its own pool of HTTP/1.1 keep-alive connections (`chatroute.providers._h1`), closed
+    by `aclose()`, with no httpx request or response on the way unless the call fails
+    (errors are then the SDK's, made from the httpx errors the pool raises); the SDK
+    client's own httpx client sends nothing then. A given `http_client` is used as it is:
+    the request is an httpx one sent on that client. The owned pool keeps no cookies: what
+    an upstream sets for one call is never sent with another.
     """
 
     def __init__(
@@ -453,17 +411,20 @@ class OpenAIChatClient(ChatClient):
         self._url = base.copy_with(raw_path=base.raw_path + b"chat/completions")
         self._extensions: dict[str, Any] = {"timeout": timeout.as_dict()}
         self._headers: http.Headers | None = None
-        self._aio_headers: tuple[tuple[str, str], ...] | None = None
-        # An owned client sends on its own aiohttp session when aiohttp is installed (shared
-        # by `with_timeouts` views); a given `http_client` is sent on.
-        self._aio: AioSession | None = None
+        self._raw_headers: tuple[tuple[bytes, bytes], ...] | None = None
+        # An owned client sends on its own connection pool (shared by `with_timeouts`
+        # views); a given `http_client` is sent on.
+        self._pool: H1Pool | None = None
         if tls is not None:
-            self._aio = _aio_session(
-                url=str(self._url),
+            self._pool = H1Pool(
+                str(self._url),
                 max_connections=max_connections,
                 keepalive_expiry=keepalive_expiry,
                 ssl_context=tls,
-                timeout=timeout,
+                connect_timeout=timeout.connect,
+                read_timeout=timeout.read,
+                pool_timeout=timeout.pool,
+                write_timeout=timeout.write,
             )
 
     def __repr__(self) -> str:
@@ -502,7 +463,7 @@ class OpenAIChatClient(ChatClient):
     # ------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
-        """Close, when owned, the aiohttp session and the SDK's HTTP client; idempotent.
+        """Close, when owned, the connection pool and the SDK's HTTP client; idempotent.
 
         A `with_timeouts` view closes nothing.
         """
@@ -511,8 +472,8 @@ class OpenAIChatClient(ChatClient):
         self._closed = True
         if self._owns_http:
             try:
-                if self._aio is not None:
-                    await self._aio.aclose()
+                if self._pool is not None:
+                    await self._pool.aclose()
             finally:
                 await self._http.aclose()
 
@@ -567,15 +528,12 @@ class OpenAIChatClient(ChatClient):
             self._headers = headers
         return headers
 
-    def _aio_request_headers(self) -> tuple[tuple[str, str], ...]:
-        """`_request_headers` as the (name, value) pairs aiohttp sends, names as written."""
-        headers = self._aio_headers
+    def _raw_request_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """`_request_headers` as the (name, value) byte pairs sent, names as written."""
+        headers = self._raw_headers
         if headers is None:
-            headers = tuple(
-                (name.decode("latin-1"), value.decode("latin-1"))
-                for name, value in self._request_headers().raw
-            )
-            self._aio_headers = headers
+            headers = tuple(self._request_headers().raw)
+            self._raw_headers = headers
         return headers
 
     def _encode(self, body: dict[str, Any]) -> bytes:
@@ -605,7 +563,7 @@ class OpenAIChatClient(ChatClient):
         timeouts and JSON encoding, built once per client by `_request_headers`), sent
         without the SDK's per-request machinery (options models, parameter transforms,
         retry loop), which cost more than the rest of a proxied call: on the client's own
-        aiohttp session when it has one (`_send_aio`), else on the httpx client
+        connection pool when it has one (`_send_pooled`), else on the httpx client
         (`_send_http`). Failures are the SDK's exceptions, made as the SDK makes them:
         `APIStatusError` subclasses for non-2xx answers, `APITimeoutError` and
         `APIConnectionError` for transport failures. The body is read by the caller, as
@@ -613,23 +571,23 @@ class OpenAIChatClient(ChatClient):
         stream be checked for `[DONE]`, keep-alives and error events.
         """
         content = self._encode(body)
-        aio = self._aio
-        if aio is not None:
-            return await self._send_aio(aio, content)
+        pool = self._pool
+        if pool is not None:
+            return await self._send_pooled(pool, content)
         return await self._send_http(content)
 
-    async def _send_aio(self, aio: AioSession, content: bytes) -> _Body:
-        """`_send` on the aiohttp session: no httpx request or response unless it fails.
+    async def _send_pooled(self, pool: H1Pool, content: bytes) -> _Body:
+        """`_send` on the connection pool: no httpx request or response unless it fails.
 
-        aiohttp errors come as the httpx errors the SDK's aiohttp transport raises (see
-        `_aio.map_error`), so they are classified as through that transport. A non-2xx
-        answer is read, closed and handed to the SDK as an httpx response.
+        The pool raises httpx transport errors, which become the SDK's as on any httpx
+        transport. A non-2xx answer is read, closed and handed to the SDK as an httpx
+        response.
         """
         try:
-            response = await aio.post(self._aio_request_headers(), content)
-        except (http.RequestError, ssl.SSLError) as exc:
+            response = await pool.post(self._raw_request_headers(), content)
+        except http.RequestError as exc:
             raise self._transport_error(exc, self._sdk_request(content)) from exc
-        # aiohttp closes the connection when interrupted before the response is returned,
+        # The pool drops the connection when interrupted before the response is returned,
         # and nothing here waits between getting the response and returning it but the
         # reading of an error answer (which closes it whatever happens).
         if 200 <= response.status < 300:
