@@ -281,3 +281,33 @@ def test_only_http_urls_are_taken() -> None:
             read_timeout=1,
             pool_timeout=1,
         )
+
+
+@pytest.mark.parametrize(
+    ("url", "line"),
+    [
+        (
+            "http://[::1]:8080/v1/chat/completions",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: [::1]:8080\r\n",
+        ),
+        ("https://api.example.com/v1/x", b"POST /v1/x HTTP/1.1\r\nhost: api.example.com\r\n"),
+        (
+            "https://api.example.com:8443/v1/x?q=1",
+            b"POST /v1/x?q=1 HTTP/1.1\r\nhost: api.example.com:8443\r\n",
+        ),
+        ("http://b\u00fccher.example/v1", b"POST /v1 HTTP/1.1\r\nhost: xn--bcher-kva.example\r\n"),
+    ],
+)
+def test_the_request_line_and_host_follow_the_url(url: str, line: bytes) -> None:
+    pool = H1Pool(
+        url,
+        max_connections=1,
+        keepalive_expiry=1,
+        ssl_context=ssl.create_default_context(),
+        connect_timeout=1,
+        read_timeout=1,
+        pool_timeout=1,
+    )
+    assert (
+        pool._head((), 2) == line + b"accept-encoding: gzip, deflate\r\ncontent-length: 2\r\n\r\n"
+    )

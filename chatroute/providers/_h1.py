@@ -454,7 +454,7 @@ class H1Pool:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._request_line = b"POST %s HTTP/1.1\r\nhost: %s\r\n" % (
             target.encode("ascii"),
-            authority.encode("idna"),
+            authority.encode("ascii") if authority.isascii() else authority.encode("idna"),
         )
         self._max = max_connections
         self._keepalive = keepalive_expiry
