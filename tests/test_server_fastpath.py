@@ -418,3 +418,90 @@ def test_the_fast_dispatch_refuses_a_missing_key_and_skips_fastapi(
         answer = client.get("/v1/chat/completions", headers={"authorization": "Bearer k1"})
         assert answer.status_code == 405  # other methods: FastAPI
     asyncio.run(engine.aclose())
+
+
+# ------------------------------------------------- recording a non-streamed answer, once
+
+_CHAT_SCOPE = {
+    "type": "http",
+    "asgi": {"version": "3.0"},
+    "http_version": "1.1",
+    "method": "POST",
+    "scheme": "http",
+    "root_path": "",
+    "path": "/v1/chat/completions",
+    "raw_path": b"/v1/chat/completions",
+    "query_string": b"",
+    "headers": [(b"content-type", b"application/json")],
+    "state": {},
+}
+
+
+async def _drive_chat(failing: str | None) -> tuple[list[str], list[RequestTrace], Any]:
+    """One non-streamed chat call straight over ASGI; `failing` names the message type
+    whose sending raises. Returns what happened in order, the traces and the metrics."""
+    config = parse_config(FAST_CONFIG, environ={})
+    providers = {"fast": Provider("fast", "quick answer"), "strong": Provider("strong", "sure")}
+    engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
+    events: list[str] = []
+    traces: list[RequestTrace] = []
+
+    def sink(trace: RequestTrace) -> None:
+        events.append(f"recorded {trace.status}")
+        traces.append(trace)
+
+    app = create_app(engine, api_keys=[], trace_sink=sink)
+    body = json.dumps({"model": "general", "messages": [USER]}).encode()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == failing:
+            raise OSError("connection reset")
+        events.append(message["type"])
+
+    try:
+        async with app.router.lifespan_context(app):
+            try:
+                await app(dict(_CHAT_SCOPE), receive, send)
+            except OSError:
+                events.append("send failed")
+    finally:
+        await engine.aclose()
+    return events, traces, app.state.metrics
+
+
+def _answered(metrics: Any, status: str) -> float | None:
+    value: float | None = metrics.registry.get_sample_value(
+        "chatroute_requests_total",
+        {"endpoint": "chat_completions", "route": "general", "status": status},
+    )
+    return value
+
+
+async def test_a_non_streamed_answer_is_recorded_once_after_its_last_byte() -> None:
+    events, traces, metrics = await _drive_chat(failing=None)
+    assert events == ["http.response.start", "http.response.body", "recorded 200"]
+    assert traces[0].committed and traces[0].provider == "strong"
+    assert _answered(metrics, "200") == 1
+    await asyncio.sleep(0)
+    assert not others()
+
+
+@pytest.mark.parametrize("failing", ["http.response.start", "http.response.body"])
+async def test_a_non_streamed_answer_that_cannot_be_sent_is_still_recorded_once(
+    failing: str,
+) -> None:
+    events, traces, metrics = await _drive_chat(failing=failing)
+    assert events[-2:] == ["recorded 200", "send failed"]
+    assert events.count("recorded 200") == 1 and len(traces) == 1
+    assert _answered(metrics, "200") == 1
+    await asyncio.sleep(0)
+    assert not others()

@@ -60,6 +60,7 @@ PROVIDER_HEADER = "x-chatroute-provider"
 ATTEMPTS_HEADER = "x-chatroute-attempts"
 TIMEOUT_HEADER = "x-chatroute-timeout"
 IGNORED_HEADER = "x-chatroute-ignored-params"
+_TIMEOUT_HEADER_KEY = TIMEOUT_HEADER.encode("latin-1")
 CLIENT_CLOSED = 499  # the status logged for a request whose caller left (nginx's convention)
 
 T = TypeVar("T")
@@ -392,6 +393,24 @@ class _SSEResponse(Response):
                 await close_iterator(self._routed)
             if trace.status is None:
                 self._unsent()
+
+
+class _RecordedResponse(Response):
+    """A JSON answer that records its request once sent: the recording (metrics, trace
+    sink, log) runs after the last byte, off the caller's latency, and runs exactly once
+    however sending ends."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, headers: Mapping[str, str], record: Callable[[], None]) -> None:
+        super().__init__(body, headers=headers)
+        self._record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._record()
 
 
 async def _sse_body(
@@ -826,8 +845,15 @@ def _header_list(names: Sequence[str], limit: int = 512) -> str:
 
 
 def _caller_timeout(service: Service, request: Request) -> float | None:
-    raw = request.headers.get(TIMEOUT_HEADER)
-    if raw is None or not service.config.resilience.caller_deadline:
+    if not service.config.resilience.caller_deadline:
+        return None
+    # The raw header list, as `request.headers.get` reads it, without building `Headers`.
+    raw = None
+    for name, value in request.scope["headers"]:
+        if name == _TIMEOUT_HEADER_KEY:
+            raw = value.decode("latin-1")
+            break
+    if raw is None:
         return None
     try:
         seconds = float(raw)
@@ -971,11 +997,10 @@ async def _complete(
         return _error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
-    service.finish(trace, 200, started)
-    return Response(
+    return _RecordedResponse(
         body,
-        media_type="application/json",
-        headers=_headers(service, trace, extra_headers),
+        _headers(service, trace, extra_headers),
+        lambda: service.finish(trace, 200, started),
     )
 
 

@@ -77,39 +77,67 @@ def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
         return None, APIError(
             400, f"the body is not valid UTF-8 (at byte {exc.start})", code="invalid_encoding"
         )
+    overflowed = False
+
+    def parse_float(literal: str) -> float:
+        nonlocal overflowed
+        value = float(literal)
+        if math.isinf(value):
+            overflowed = True
+        return value
+
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=parse_float)
     except _ConstantRefused as exc:
         return None, APIError(400, str(exc), code="invalid_json")
     except RecursionError:
         return None, _too_deep(max_depth)
     except ValueError as exc:
         return NotJSON(exc), None
+    # Cheap bounds first: an unpaired surrogate can only come from a `\u` escape (UTF-8
+    # cannot encode one), and nesting cannot exceed the count of `[` and `{` bytes. Most
+    # bodies need no walk at all.
+    strings = b"\\u" in body
+    deep = body.count(b"[") + body.count(b"{") > max_depth
+    if strings or deep or overflowed:
+        problem = _first_problem(data, max_depth, strings=strings, floats=overflowed)
+        if problem is not None:
+            return None, problem
+    return data, None
+
+
+def _first_problem(data: Any, max_depth: int, *, strings: bool, floats: bool) -> APIError | None:
+    """The first problem a depth-first walk of `data` meets; strings and floats are
+    checked only when asked (skipping leaves keeps the order the others are met in)."""
+    leaves: tuple[type, ...] = ()
+    if strings:
+        leaves += (str,)
+    if floats:
+        leaves += (float,)
+    kinds = (dict, list, *leaves)
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict):
             if depth > max_depth:
-                return None, _too_deep(max_depth)
+                return _too_deep(max_depth)
             for key, item in value.items():
-                if _SURROGATE.search(key):
-                    return None, _bad_surrogate()
-                if isinstance(item, dict | list | str | float):
+                if strings and _SURROGATE.search(key):
+                    return _bad_surrogate()
+                if isinstance(item, kinds):
                     stack.append((item, depth + 1))
         elif isinstance(value, list):
             if depth > max_depth:
-                return None, _too_deep(max_depth)
-            stack.extend(
-                (item, depth + 1) for item in value if isinstance(item, dict | list | str | float)
-            )
+                return _too_deep(max_depth)
+            stack.extend((item, depth + 1) for item in value if isinstance(item, kinds))
         elif isinstance(value, str):
             if _SURROGATE.search(value):
-                return None, _bad_surrogate()
+                return _bad_surrogate()
         elif isinstance(value, float) and not math.isfinite(value):
-            return None, APIError(
+            return APIError(
                 400, "the body contains a number too large for JSON", code="invalid_json"
             )
-    return data, None
+    return None
 
 
 def _too_deep(max_depth: int) -> APIError:

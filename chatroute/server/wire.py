@@ -38,6 +38,9 @@ __all__ = [
     "to_chat_options",
 ]
 
+# What `json.dumps(obj, ensure_ascii=False)` writes, without a new encoder per call.
+_JSON = json.JSONEncoder(ensure_ascii=False)
+
 _ROLES = {
     "system": ChatRole.SYSTEM,
     "developer": ChatRole.SYSTEM,
@@ -339,7 +342,7 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
     }
     if response.usage is not None:
         body["usage"] = usage_body(response.usage)
-    return json.dumps(body, ensure_ascii=False).encode()
+    return _JSON.encode(body).encode()
 
 
 def _new_id() -> str:
@@ -446,4 +449,4 @@ class StreamEncoder:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
