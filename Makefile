@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service bench-soak clean
+.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,11 @@ bench-routing: $(BENCH_STAMP)
 bench-service: $(STAMP)
 	$(BIN)/python bench/service_bench.py
 	$(BIN)/python bench/proxy_floor.py
+
+# The proxy overhead of this tree against another git revision, both in one run (the
+# machine's speed drifts between runs): make bench-compare AGAINST=<revision>
+bench-compare: $(STAMP)
+	$(BIN)/python bench/proxy_compare.py --against $(AGAINST)
 
 # 200 streaming clients for 5 minutes through the real service, 2% injected faults.
 bench-soak: $(STAMP)
