@@ -114,6 +114,13 @@ def run(args: argparse.Namespace) -> str:
         capture_output=True,
         text=True,
     ).stdout.strip()
+    subject = subprocess.run(
+        ["git", "log", "-1", "--format=%s", revision],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     this = f"this tree ({head}{' + uncommitted changes' if dirty else ''})"
     load_before = sb.loadavg()
     with tempfile.TemporaryDirectory(prefix="chatroute-compare-") as tmp, ExitStack() as stack:
@@ -149,6 +156,7 @@ def run(args: argparse.Namespace) -> str:
         f"- Command: `{command()}`",
         f"- Both services on one fixed {args.delay_ms:g} ms upstream, forced route, "
         f"concurrency 1; {args.pairs} rotations of direct / revision / this tree per mode.",
+        f"- Revision {revision}: {subject}",
         "",
         table(["service", "timed to", "added p50 ms", "service CPU ms/req"], rows),
     ]
