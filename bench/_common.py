@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import resource
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,17 @@ def write_section(path: Path, marker: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def bench_main(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], str], section: str
+) -> None:
+    """Add the options the proxy benchmarks share (`--delay-ms`, `--no-write`), run, print
+    the result and write it to `section` of BENCHMARKS.md."""
+    parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    args = parser.parse_args()
+    text = run(args)
+    print(text)
+    if not args.no_write:
+        write_section(REPO / "BENCHMARKS.md", section, text)

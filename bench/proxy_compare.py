@@ -31,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import service_bench as sb
-from bench._common import REPO, command, machine, table, write_section
+from bench._common import REPO, bench_main, command, machine, table
 
 TRAIN = {"train": [("fix this bug", "code"), ("write a function", "code"), ("weather", "w")]}
 
@@ -92,35 +92,17 @@ def compare(arms: dict[str, tuple[int | None, str]], pairs: int, stream: bool) -
     return rows
 
 
+def git(*args: str) -> str:
+    """The output of a git command in the repository, stripped."""
+    done = subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
 def run(args: argparse.Namespace) -> str:
-    revision = subprocess.run(
-        ["git", "rev-parse", "--short", args.against],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", "chatroute"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    subject = subprocess.run(
-        ["git", "log", "-1", "--format=%s", revision],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    revision = git("rev-parse", "--short", args.against)
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "chatroute")
+    subject = git("log", "-1", "--format=%s", revision)
     this = f"this tree ({head}{' + uncommitted changes' if dirty else ''})"
     load_before = sb.loadavg()
     with tempfile.TemporaryDirectory(prefix="chatroute-compare-") as tmp, ExitStack() as stack:
@@ -167,13 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--against", required=True, help="the git revision to compare with")
     parser.add_argument("--pairs", type=int, default=800)
-    parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
-    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    args = parser.parse_args()
-    text = run(args)
-    print(text)
-    if not args.no_write:
-        write_section(REPO / "BENCHMARKS.md", "proxy-compare", text)
+    bench_main(parser, run, "proxy-compare")
 
 
 if __name__ == "__main__":

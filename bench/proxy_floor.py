@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, command, machine, table, write_section
+from bench._common import bench_main, command, machine, table
 from bench.service_bench import (
     _free_port,
     loadavg,
@@ -358,13 +358,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
-    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    args = parser.parse_args()
-    text = run(args)
-    print(text)
-    if not args.no_write:
-        write_section(REPO / "BENCHMARKS.md", "proxy-floor", text)
+    bench_main(parser, run, "proxy-floor")
 
 
 if __name__ == "__main__":

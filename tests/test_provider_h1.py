@@ -14,25 +14,13 @@ import pytest
 from chatroute.providers import FailureKind, classify
 from chatroute.providers._h1 import H1Pool
 from chatroute.providers._http import http
+from tests.test_provider_network import read_request
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEADERS = ((b"Content-Type", b"application/json"), (b"Host", b"ignored.example"))
 
 
-async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    return head, await reader.readexactly(length)
-
-
-@contextlib.asynccontextmanager
-async def pool_on(handler: Handler, **settings: float) -> AsyncIterator[H1Pool]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+def make_pool(url: str, **settings: float) -> H1Pool:
     options: dict[str, float] = {
         "max_connections": 4,
         "keepalive_expiry": 30.0,
@@ -41,12 +29,19 @@ async def pool_on(handler: Handler, **settings: float) -> AsyncIterator[H1Pool]:
         "pool_timeout": 5.0,
         **settings,
     }
-    pool = H1Pool(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
+    return H1Pool(
+        url,
         max_connections=int(options.pop("max_connections")),
         ssl_context=ssl.create_default_context(),
         **options,
     )
+
+
+@contextlib.asynccontextmanager
+async def pool_on(handler: Handler, **settings: float) -> AsyncIterator[H1Pool]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = make_pool(f"http://127.0.0.1:{port}/v1/chat/completions", **settings)
     try:
         yield pool
     finally:
@@ -253,15 +248,7 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    pool = H1Pool(
-        f"http://127.0.0.1:{port}/v1",
-        max_connections=1,
-        keepalive_expiry=1,
-        ssl_context=ssl.create_default_context(),
-        connect_timeout=1,
-        read_timeout=1,
-        pool_timeout=1,
-    )
+    pool = make_pool(f"http://127.0.0.1:{port}/v1", connect_timeout=1)
     with pytest.raises(http.ConnectError):
         await pool.post(HEADERS, b"{}")
     assert pool.connections == 0
@@ -272,15 +259,7 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
 
 def test_only_http_urls_are_taken() -> None:
     with pytest.raises(ValueError, match="not an http"):
-        H1Pool(
-            "ftp://example.com/x",
-            max_connections=1,
-            keepalive_expiry=1,
-            ssl_context=ssl.create_default_context(),
-            connect_timeout=1,
-            read_timeout=1,
-            pool_timeout=1,
-        )
+        make_pool("ftp://example.com/x")
 
 
 @pytest.mark.parametrize(
@@ -299,15 +278,7 @@ def test_only_http_urls_are_taken() -> None:
     ],
 )
 def test_the_request_line_and_host_follow_the_url(url: str, line: bytes) -> None:
-    pool = H1Pool(
-        url,
-        max_connections=1,
-        keepalive_expiry=1,
-        ssl_context=ssl.create_default_context(),
-        connect_timeout=1,
-        read_timeout=1,
-        pool_timeout=1,
-    )
+    pool = make_pool(url, connect_timeout=1)
     assert (
         pool._head((), 2) == line + b"accept-encoding: gzip, deflate\r\ncontent-length: 2\r\n\r\n"
     )
