@@ -282,3 +282,20 @@ def test_the_request_line_and_host_follow_the_url(url: str, line: bytes) -> None
     assert (
         pool._head((), 2) == line + b"accept-encoding: gzip, deflate\r\ncontent-length: 2\r\n\r\n"
     )
+
+
+async def test_bytes_after_a_complete_answer_make_its_connection_unusable() -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        # One request, two answers in one write: the second was never asked for.
+        await answering(ok(b"asked") + ok(b"unasked"), ok(b"never"))(reader, writer)
+
+    async with pool_on(handler) as pool:
+        assert await (await pool.post(HEADERS, b"{}")).aread() == b"asked"
+        await asyncio.sleep(0.01)
+        assert pool.connections == 0
+        assert await (await pool.post(HEADERS, b"{}")).aread() == b"asked"  # a new connection
+        assert connections == 2

@@ -338,17 +338,26 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------- httptools callbacks
 
+    def _unsolicited(self) -> None:
+        """An answer nobody asked for (bytes after a complete one): never reuse this."""
+        self.close()
+
     def on_status(self, reason: bytes) -> None:
-        if self.response is not None:
+        if self.response is None:
+            self._unsolicited()
+        else:
             self.response.reason = reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
+        if self.response is None:
+            self._unsolicited()
+        else:
             self.response.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self.response
         if response is None:
+            self._unsolicited()
             return
         status = self._parser.get_status_code()
         if 100 <= status < 200:  # an interim answer (100 Continue and the like): skip it
