@@ -80,7 +80,10 @@ class ServerConfig(_Strict):
     `max_body_bytes`, `max_messages`, `max_message_chars` (per message), `max_json_depth`
     and `max_classify_inputs` bound a request; `body_timeout` is how long a body may take
     to arrive. `gc_freeze` moves everything loaded at start-up (model, index) out of the
-    garbage collector's reach, so full collections do not stall requests.
+    garbage collector's reach, so full collections do not stall requests. `gc_threshold`
+    is how many allocations the cyclic garbage collector lets pass between collections of
+    its youngest generation while the service runs (Python's default, 700, means a
+    collection every request or two on the chat path); None leaves Python's setting.
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +96,7 @@ class ServerConfig(_Strict):
     max_classify_inputs: int = Field(default=2048, ge=1)
     body_timeout: PositiveSeconds = 30.0
     gc_freeze: bool = True
+    gc_threshold: int | None = Field(default=20_000, ge=100)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 

@@ -505,3 +505,26 @@ async def test_a_non_streamed_answer_that_cannot_be_sent_is_still_recorded_once(
     assert _answered(metrics, "200") == 1
     await asyncio.sleep(0)
     assert not others()
+
+
+@pytest.mark.parametrize("threshold", [12_345, None])
+async def test_the_gc_threshold_applies_while_the_service_runs(threshold: int | None) -> None:
+    import gc
+
+    config = parse_config({**FAST_CONFIG, "server": {"gc_threshold": threshold}}, environ={})
+    providers = {"fast": Provider("fast", "quick answer"), "strong": Provider("strong", "sure")}
+    engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
+    app = create_app(engine, api_keys=[])
+    before = gc.get_threshold()
+    try:
+        async with app.router.lifespan_context(app):
+            expected = before if threshold is None else (threshold, *before[1:])
+            assert gc.get_threshold() == expected
+    finally:
+        await engine.aclose()
+    assert gc.get_threshold() == before  # restored at shutdown
+
+
+def test_a_tiny_gc_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="gc_threshold"):
+        parse_config({**FAST_CONFIG, "server": {"gc_threshold": 5}}, environ={})

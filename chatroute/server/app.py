@@ -527,8 +527,13 @@ def create_app(
         service = Service(engine=engine, metrics=metrics, redact=redact, trace_sink=trace_sink)
         detach = _attach_embedder_metrics(engine, metrics)
         unwatch = metrics.watch_breakers(engine.breakers)
+        thresholds = gc.get_threshold()
         try:
             await engine.warm()
+            if config.server.gc_threshold is not None:
+                # A proxied call allocates a few hundred objects, nearly all freed by
+                # reference counting; collecting every 700 allocations costs latency.
+                gc.set_threshold(config.server.gc_threshold, *thresholds[1:])
             if config.server.gc_freeze:
                 # The model, tokenizer and index are hundreds of thousands of long-lived
                 # objects: a full collection that scans them stalls the event loop for
@@ -547,6 +552,7 @@ def create_app(
         finally:
             service.ready = False
             metrics.ready.set(0)
+            gc.set_threshold(*thresholds)
             detach()
             unwatch()
             if owned:
