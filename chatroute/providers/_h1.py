@@ -209,9 +209,7 @@ class H1Response:
             self._fail(http.ReadTimeout("timed out waiting for the upstream to send data"))
 
     async def _wait_head(self) -> None:
-        while not self._head_done:
-            if self._error is not None:
-                raise self._error
+        while not self._head_done and self._error is None:
             await self._wait()
         if self._error is not None:
             raise self._error
@@ -305,8 +303,8 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # bytes nobody asked for: the connection is unusable
-            self.close()
+        if self.response is None:
+            self._unsolicited()
             return
         try:
             self._parser.feed_data(data)
@@ -325,9 +323,6 @@ class _Connection(asyncio.Protocol):
         if drained is not None and not drained.done():
             drained.set_result(None)
 
-    def eof_received(self) -> bool | None:
-        return None  # close the transport
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.resume_writing()
@@ -339,7 +334,8 @@ class _Connection(asyncio.Protocol):
     # ------------------------------------------------------------- httptools callbacks
 
     def _unsolicited(self) -> None:
-        """An answer nobody asked for (bytes after a complete one): never reuse this."""
+        """Bytes nobody asked for (on an idle connection, or after a complete answer):
+        the connection is never reused."""
         self.close()
 
     def on_status(self, reason: bytes) -> None:
