@@ -53,6 +53,8 @@ def default_embedder() -> Iterator[Callable[[], EmbeddingGenerator]]:
 def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
     import uvicorn
 
+    from chatroute.server.protocol import HttpProtocol
+
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,8 +62,14 @@ def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
     port = sock.getsockname()[1]
     # Keep-alive longer than the clients' own idle expiry (httpx: 5 s), so that a client never
     # reuses a connection the server is closing at that very moment.
+    # The HTTP protocol `chatroute serve` runs.
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=30
+        app,
+        http=HttpProtocol,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -99,6 +99,7 @@ def serve(
     import uvicorn
 
     from chatroute.server import create_app
+    from chatroute.server.protocol import HttpProtocol
 
     settings = _config(config)
     handler = logging.StreamHandler()
@@ -112,6 +113,8 @@ def serve(
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
+        # uvicorn's httptools protocol, writing each response head together with its body.
+        http=HttpProtocol,
         # uvicorn logs each request at info level; below that, skip the per-request call.
         access_log=settings.server.log_level in ("trace", "debug", "info"),
         timeout_graceful_shutdown=10,

@@ -3,6 +3,7 @@
 from chatroute.server.app import Service, create_app
 from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError
+from chatroute.server.protocol import HttpProtocol
 from chatroute.server.tracing import (
     AttemptRecord,
     RecordingFailoverChatClient,
@@ -14,6 +15,7 @@ __all__ = [
     "APIError",
     "AttemptRecord",
     "Engine",
+    "HttpProtocol",
     "RecordingFailoverChatClient",
     "RequestTrace",
     "Service",

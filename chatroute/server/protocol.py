@@ -1,0 +1,99 @@
+"""uvicorn's HTTP/1.1 protocol with each response head sent in the same write as its body.
+
+uvicorn writes a response's status line and headers the moment the app sends
+`http.response.start`, and the body in a second write. On loopback and on fast networks
+the client then wakes twice: once for a head it cannot use yet, once for the body. On a
+busy host the first wake-up can also take the CPU away from the service before it has
+written the body. `HttpProtocol` holds the head back until the body's first bytes are
+written, so both leave in one write (one TCP segment for a small answer). A head whose
+body does not follow at once (a stream whose first event is not ready yet, an answer
+without a body) is written on the event loop's next turn, so nothing waits longer than
+that. Interim `1xx` answers are never held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["CoalescingTransport", "HttpProtocol"]
+
+
+class CoalescingTransport:
+    """A transport wrapper that joins a response head with the write that follows it.
+
+    Order is always kept: a held head goes out before, or together with, anything
+    written after it; closing writes it first; aborting drops it with the connection.
+    Everything else is the wrapped transport's.
+    """
+
+    __slots__ = ("_flush", "_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+
+    @staticmethod
+    def _is_final_head(data: bytes) -> bool:
+        # uvicorn writes a whole head, status line to blank line, in one call. "HTTP/1.1 1"
+        # is an interim answer (100 Continue), which the client waits for: not held.
+        return data.startswith(b"HTTP/1.1 ") and data[9:10] != b"1" and data.endswith(b"\r\n\r\n")
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._drop_held()
+            self._transport.write(held + data)
+        elif self._is_final_head(data):
+            self._held = bytes(data)
+            self._flush = self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def flush(self) -> None:
+        """Write a held head now (the loop does this on its next turn anyway)."""
+        held = self._held
+        if held is not None:
+            self._drop_held()
+            self._transport.write(held)
+
+    def _drop_held(self) -> None:
+        self._held = None
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        if not self._transport.is_closing():
+            self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._drop_held()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol writing through a `CoalescingTransport`.
+
+    Pass it as uvicorn's `http` setting (`uvicorn.run(app, http=HttpProtocol)`);
+    `chatroute serve` does.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        wrapped = CoalescingTransport(transport, self.loop)
+        super().connection_made(wrapped)  # type: ignore[arg-type]
