@@ -18,6 +18,8 @@ import anyio
 import openai
 import pydantic
 
+from chatroute._json import dumps_plain
+from chatroute._json import loads as json_loads
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import (
     ChatMessage,
@@ -537,14 +539,18 @@ class OpenAIChatClient(ChatClient):
         return headers
 
     def _encode(self, body: dict[str, Any]) -> bytes:
-        """The JSON request body, encoded as the SDK encodes it."""
-        return json.dumps(
-            body,
-            ensure_ascii=False,
-            separators=(",", ":"),
-            allow_nan=False,
-            default=_json_default,
-        ).encode()
+        """The JSON request body, encoded as the SDK encodes it (orjson writes the same
+        bytes for plain JSON values, floats aside, which it may spell differently)."""
+        out = dumps_plain(body)
+        if out is None:  # NaN / inf (refused), models and datetimes (`_json_default`), ...
+            out = json.dumps(
+                body,
+                ensure_ascii=False,
+                separators=(",", ":"),
+                allow_nan=False,
+                default=_json_default,
+            ).encode()
+        return out
 
     def _sdk_request(self, content: bytes) -> http.Request:
         """The httpx request for `content` that the SDK's exceptions are made with."""
@@ -674,7 +680,7 @@ class OpenAIChatClient(ChatClient):
         except Exception as exc:
             raise self._translate(exc) from exc
         try:
-            data = json.loads(raw)
+            data = json_loads(raw)
         except ValueError as exc:
             raise MalformedResponseError(
                 f"the upstream answer is not JSON ({exc})", provider=self.name
@@ -805,7 +811,7 @@ class OpenAIChatClient(ChatClient):
                     done = finished = True
                     continue
                 try:
-                    payload = json.loads(data)
+                    payload = json_loads(data)
                 except ValueError as exc:
                     raise MalformedResponseError(
                         f"the upstream sent a chunk that is not JSON ({exc})",

@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chatroute._json import UNKNOWN, loads_counted
 from chatroute.server.errors import APIError
 
 __all__ = [
@@ -70,7 +71,20 @@ def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
     float, which would become one), nesting deeper than `max_depth` arrays and objects,
     and strings holding unpaired UTF-16 surrogates (`"\\ud800"`), which cannot be
     encoded to send upstream.
+
+    Most bodies are parsed by orjson (`loads_counted`), which gives the stdlib's value and
+    refuses all of the above but the nesting; the stdlib parses the rest, as it always did,
+    for its own value or error.
     """
+    data, openers = loads_counted(body)
+    if data is not UNKNOWN:
+        # Nesting cannot exceed the count of `[` and `{` bytes (most bodies need no walk);
+        # there is no NaN, overflowed float or unpaired surrogate to look for.
+        if openers > max_depth:
+            problem = _first_problem(data, max_depth, strings=False, floats=False)
+            if problem is not None:
+                return None, problem
+        return data, None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -98,7 +112,7 @@ def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
     # cannot encode one), and nesting cannot exceed the count of `[` and `{` bytes. Most
     # bodies need no walk at all.
     strings = b"\\u" in body
-    deep = body.count(b"[") + body.count(b"{") > max_depth
+    deep = openers > max_depth
     if strings or deep or overflowed:
         problem = _first_problem(data, max_depth, strings=strings, floats=overflowed)
         if problem is not None:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chatroute._json import dumps_plain
 from chatroute.chat.types import (
     ChatMessage,
     ChatOptions,
@@ -38,8 +39,20 @@ __all__ = [
     "to_chat_options",
 ]
 
-# What `json.dumps(obj, ensure_ascii=False)` writes, without a new encoder per call.
+# `json.dumps(obj, ensure_ascii=False)` without a new encoder per call: what `_dumps` falls
+# back on for values orjson would write differently.
 _JSON = json.JSONEncoder(ensure_ascii=False)
+
+
+def _dumps(obj: Any) -> bytes:
+    """`obj` as UTF-8 JSON: orjson's compact encoding when it is the value the stdlib
+    writes, else the stdlib's (NaN and Infinity stay `NaN` and `Infinity`, and values JSON
+    has no form for raise its TypeError, as they always did)."""
+    out = dumps_plain(obj)
+    if out is None:
+        out = _JSON.encode(obj).encode()
+    return out
+
 
 _ROLES = {
     "system": ChatRole.SYSTEM,
@@ -342,7 +355,7 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
     }
     if response.usage is not None:
         body["usage"] = usage_body(response.usage)
-    return _JSON.encode(body).encode()
+    return _dumps(body)
 
 
 def _new_id() -> str:
@@ -449,4 +462,4 @@ class StreamEncoder:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
+    return b"data: " + _dumps(obj) + b"\n\n"
