@@ -115,6 +115,7 @@ def serve(
         log_level=settings.server.log_level,
         # uvicorn's httptools protocol, writing each response head together with its body.
         http=HttpProtocol,
+        server_header=False,  # no `server: uvicorn` on every answer
         # uvicorn logs each request at info level; below that, skip the per-request call.
         access_log=settings.server.log_level in ("trace", "debug", "info"),
         timeout_graceful_shutdown=10,

@@ -403,12 +403,22 @@ class _RecordedResponse(Response):
     media_type = "application/json"
 
     def __init__(self, body: bytes, headers: Mapping[str, str], record: Callable[[], None]) -> None:
-        super().__init__(body, headers=headers)
+        # What Response.__init__ would set, without its generic header merging.
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        raw = [
+            (b"content-length", str(len(body)).encode("latin-1")),
+            (b"content-type", b"application/json"),
+        ]
+        raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers = raw
         self._record = record
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
         finally:
             self._record()
 
@@ -932,7 +942,9 @@ async def _decide(service: Service, messages: Sequence[ChatMessage]) -> RouteDec
     except Exception as exc:
         raise _routing_failure(service, exc)
     name = service.engine.route_name(decision.client)
-    service.metrics.route_decisions.labels(name, "true" if decision.is_default else "false").inc()
+    metrics = service.metrics
+    default = "true" if decision.is_default else "false"
+    metrics.labelled(metrics.route_decisions, name, default).inc()
     return decision
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from chatroute.failover.breaker import BreakerState, CircuitBreakerRegistry
@@ -108,6 +110,17 @@ class ServiceMetrics:
             registry=r,
         )
         self._breaker_collector: _BreakerCollector | None = None
+        # Labelled children by (metric, label values): `labels()` validates and locks on
+        # every call; the label sets here are few (routes x providers x outcomes).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def labelled(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, kept: later calls skip the validation and the lock."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def watch_breakers(self, breakers: CircuitBreakerRegistry) -> Callable[[], None]:
         """Export the state of every breaker in `breakers` and count their transitions.
@@ -147,16 +160,17 @@ class ServiceMetrics:
 
     def observe_trace(self, trace: RequestTrace) -> None:
         """Record the attempts and failovers of one finished chat request."""
+        child = self.labelled
         for record in trace.attempts:
-            self.attempts.labels(record.route, record.provider, record.outcome).inc()
+            child(self.attempts, record.route, record.provider, record.outcome).inc()
             attempt = record.attempt
-            self.attempt_latency.labels(record.route, record.provider).observe(attempt.duration)
+            child(self.attempt_latency, record.route, record.provider).observe(attempt.duration)
             if attempt.time_to_first_update is not None:
-                self.first_token.labels(record.route, record.provider).observe(
+                child(self.first_token, record.route, record.provider).observe(
                     attempt.time_to_first_update
                 )
         for route, provider in trace.selections[:-1]:
-            self.failovers.labels(route, provider).inc()
+            child(self.failovers, route, provider).inc()
 
     def observe_cancellation(self, trace: RequestTrace) -> None:
         """Count a chat request its caller cut short (a disconnect or the deadline)."""
@@ -166,8 +180,8 @@ class ServiceMetrics:
 
     def observe_request(self, endpoint: str, route: str, status: int, seconds: float) -> None:
         """Record one answered request."""
-        self.requests.labels(endpoint, route, str(status)).inc()
-        self.request_latency.labels(endpoint, route).observe(seconds)
+        self.labelled(self.requests, endpoint, route, str(status)).inc()
+        self.labelled(self.request_latency, endpoint, route).observe(seconds)
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
