@@ -13,13 +13,15 @@ stream, chunk by chunk), each one layer heavier than the one before:
    upstream connection (non-streaming only): the loop and the kernel, no framework.
 2. uvicorn (uvloop, httptools) serving a plain ASGI callable, same upstream side as 1.
 3. uvicorn + plain ASGI, posting on chatroute's provider connection pool
-   (`chatroute.providers._h1.H1Pool`): the stack chatroute's chat endpoint runs on
-   (`_ChatEndpoint` in front of FastAPI, providers on their own HTTP/1.1 pool).
-4. as 3, but posting with one pooled aiohttp session (what chatroute's providers used
+   (`chatroute.providers._h1.H1Pool`), on uvicorn's own httptools protocol.
+4. as 3, on chatroute's HTTP protocol (`chatroute.server.protocol.HttpProtocol`: each
+   response head leaves in the same write as its body): the stack chatroute's chat
+   endpoint runs on (`_ChatEndpoint` in front of FastAPI, providers on their own pool).
+5. as 3, but posting with one pooled aiohttp session (what chatroute's providers used
    before they had their own pool).
-5. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
+6. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
    an ordinary FastAPI proxy endpoint.
-6. as 5, but posting through the openai SDK's httpx client on its aiohttp transport
+7. as 6, but posting through the openai SDK's httpx client on its aiohttp transport
    (`openai.DefaultAioHttpClient`, a streamed `send`).
 
 No validation, routing, failover, timeouts, metrics or error handling in any of them.
@@ -266,23 +268,29 @@ if RUNG == "1":
 else:
     import uvicorn
 
+    from chatroute.server.protocol import HttpProtocol
+
     app = {
         "2": lambda: plain_asgi(RawUpstream()),
         "3": lambda: plain_asgi(PoolUpstream()),
-        "4": lambda: plain_asgi(AiohttpUpstream()),
-        "5": lambda: fastapi_app(AiohttpUpstream()),
-        "6": lambda: fastapi_app(SdkHttpUpstream()),
+        "4": lambda: plain_asgi(PoolUpstream()),
+        "5": lambda: plain_asgi(AiohttpUpstream()),
+        "6": lambda: fastapi_app(AiohttpUpstream()),
+        "7": lambda: fastapi_app(SdkHttpUpstream()),
     }[RUNG]()
-    uvicorn.run(app, host="127.0.0.1", port=PORT, log_level="warning", access_log=False)
+    # Rung 4 runs on the HTTP protocol `chatroute serve` uses; the others on uvicorn's own.
+    http = HttpProtocol if RUNG == "4" else "httptools"
+    uvicorn.run(app, host="127.0.0.1", port=PORT, log_level="warning", access_log=False, http=http)
 '''
 
 RUNGS = [
     ("1", "asyncio streams relay (uvloop), raw upstream connection", False),
     ("2", "uvicorn + plain ASGI, raw upstream connection", False),
     ("3", "uvicorn + plain ASGI, chatroute's provider pool (H1Pool)", True),
-    ("4", "uvicorn + plain ASGI, aiohttp session", True),
-    ("5", "uvicorn + FastAPI route, aiohttp session", True),
-    ("6", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),
+    ("4", "as 3, on chatroute's HTTP protocol (head and body in one write)", True),
+    ("5", "uvicorn + plain ASGI, aiohttp session", True),
+    ("6", "uvicorn + FastAPI route, aiohttp session", True),
+    ("7", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),
 ]
 
 
