@@ -24,6 +24,7 @@ from chatroute.server.app import (
     _CallerGone,
     _Deadline,
     _DeadlineHit,
+    _DisconnectWatch,
     _SSEResponse,
     _watched,
 )
@@ -158,19 +159,31 @@ class Stream:
         finally:
             self.closed.append("body")
 
-    def response(self) -> _SSEResponse:
+    def response(self, watch: _DisconnectWatch) -> _SSEResponse:
         def unsent() -> None:
             self.unsent += 1
             self.trace.status = 499
 
         return _SSEResponse(
-            self.body(), Routed(self.closed), self.trace, unsent, {"cache-control": "no-cache"}
+            self.body(),
+            Routed(self.closed),
+            self.trace,
+            unsent,
+            {"cache-control": "no-cache"},
+            watch,
         )
 
 
 async def serve(
-    stream: Stream, conn: Connection, *, fail_send: bool = False
+    stream: Stream,
+    conn: Connection,
+    *,
+    fail_send: bool = False,
+    watch: _DisconnectWatch | None = None,
 ) -> list[dict[str, Any]]:
+    """Serve the stream as `_stream` hands it over: with the request's running watch."""
+    if watch is None:
+        watch = _DisconnectWatch(conn.receive)
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -181,7 +194,7 @@ async def serve(
             conn.leave()  # the server reports the completed response as a disconnect
             await asyncio.sleep(0)
 
-    await stream.response()({"type": "http"}, conn.receive, send)
+    await stream.response(watch)({"type": "http"}, conn.receive, send)
     return sent
 
 
@@ -193,6 +206,18 @@ async def test_a_completed_stream_is_not_a_caller_leaving() -> None:
     assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert stream.trace.cancelled is None
     assert stream.closed == ["body", "routed"] and stream.unsent == 1
+    await asyncio.sleep(0)
+    assert not others() and not_cancelling()
+
+
+async def test_a_caller_gone_before_the_first_send_is_seen_by_the_handed_over_watch() -> None:
+    stream, conn = Stream(1000, pause=0.001), Connection()
+    watch = _DisconnectWatch(conn.receive)  # started while waiting for the first update
+    conn.leave()  # gone before the response started: its watch has not run yet
+    sent = await serve(stream, conn, watch=watch)
+    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert stream.trace.cancelled == "disconnect"
+    assert stream.closed == ["body", "routed"]
     await asyncio.sleep(0)
     assert not others() and not_cancelling()
 

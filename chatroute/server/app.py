@@ -265,26 +265,28 @@ class _DisconnectWatch:
 
     Like `asyncio.timeout`, the watch's cancel() is matched by an uncancel() (in `caused`
     or `settle`), so a cancellation from elsewhere still propagates as what it is.
+    `on_disconnect` (settable until the caller leaves) runs when the caller disconnects.
     """
 
-    def __init__(self, receive: Receive, on_disconnect: Callable[[], None] | None = None) -> None:
+    def __init__(self, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
         self.gone = False
         self.failure: Exception | None = None
-        self._watcher = task.get_loop().create_task(self._watch(receive, on_disconnect))
+        self.on_disconnect: Callable[[], None] | None = None
+        self._watcher = task.get_loop().create_task(self._watch(receive))
 
-    async def _watch(self, receive: Receive, on_disconnect: Callable[[], None] | None) -> None:
+    async def _watch(self, receive: Receive) -> None:
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
         except Exception as exc:
             self.failure = exc
         else:
-            if on_disconnect is not None:
-                on_disconnect()
+            if self.on_disconnect is not None:
+                self.on_disconnect()
         self.gone = True
         self._task.cancel()
 
@@ -314,13 +316,19 @@ async def _watched(receive: Receive, work: Awaitable[T]) -> T:
     work has finished unwinding (its upstream request closed)."""
     watch = _DisconnectWatch(receive)
     try:
+        return await _under_watch(watch, work)
+    finally:
+        watch.stop()
+
+
+async def _under_watch(watch: _DisconnectWatch, work: Awaitable[T]) -> T:
+    """Await `work` under a running watch (left running); _CallerGone as `_watched`."""
+    try:
         result = await work
     except (Exception, asyncio.CancelledError) as exc:
         if watch.caused(exc):
             raise _CallerGone from None
         raise
-    finally:
-        watch.stop()
     if watch.settle():
         raise _CallerGone
     return result
@@ -329,7 +337,8 @@ async def _watched(receive: Receive, work: Awaitable[T]) -> T:
 class _SSEResponse(Response):
     """An event stream sent from the request's own task (no task group per stream).
 
-    One watcher task cancels the sending when the caller disconnects before the last
+    The watch that guarded the wait for the first update (`watch`, one task for the whole
+    request) goes on cancelling the sending when the caller disconnects before the last
     message was sent, and marks the trace. The body and the routed stream behind it are
     always closed, however sending ends (even when the body never started).
     """
@@ -343,6 +352,7 @@ class _SSEResponse(Response):
         trace: RequestTrace,
         unsent: Callable[[], None],
         headers: Mapping[str, str],
+        watch: _DisconnectWatch,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -351,7 +361,11 @@ class _SSEResponse(Response):
         self._trace = trace
         self._unsent = unsent  # records the request when the body never got to run
         self._sent = False
-        self.init_headers(headers)
+        self._watch = watch
+        # What Response.init_headers would set (no content-length: the body is streamed).
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        self.raw_headers = raw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         trace = self._trace
@@ -362,7 +376,8 @@ class _SSEResponse(Response):
             if not self._sent and trace.cancelled is None:
                 trace.cancelled = "disconnect"
 
-        watch = _DisconnectWatch(receive, caller_left)
+        watch = self._watch
+        watch.on_disconnect = caller_left
         try:
             await send(
                 {
@@ -1055,12 +1070,18 @@ async def _stream(
     route = trace.route or ""
     iterator = aiter(client.get_streaming_response(messages, options))
     handed_over = False
+    watch = _DisconnectWatch(request.receive)  # handed to the response with the stream
+    kept = False  # whether the response took the watch over
     try:
         # The commit point: nothing is sent until the first update that carries output.
         # Until then a disconnect or the deadline cancels the routed call directly.
-        pending, finished = await _watched(
-            request.receive, _bounded(_first_content(iterator), deadline)
-        )
+        try:
+            pending, finished = await _under_watch(
+                watch, _bounded(_first_content(iterator), deadline)
+            )
+        except BaseException:
+            watch.stop()
+            raise
         encoder = StreamEncoder(model=_served_model(service, trace), include_usage=include_usage)
 
         def unsent() -> None:
@@ -1079,8 +1100,9 @@ async def _stream(
                 **service.route_headers(trace.route, trace),
                 **extra_headers,
             },
+            watch,
         )
-        handed_over = True
+        handed_over = kept = True
         return response
     except _CallerGone:
         trace.cancelled = "disconnect"
@@ -1106,6 +1128,8 @@ async def _stream(
         service.finish(trace, error.status, started)
         return _error_response(error, _headers(service, trace, extra_headers))
     finally:
+        if not kept:
+            watch.stop()
         if not handed_over:
             with anyio.CancelScope(shield=True):
                 await close_iterator(iterator)
