@@ -58,11 +58,13 @@ class CoalescingTransport:
         self.write(b"".join(list_of_data))
 
     def flush(self) -> None:
-        """Write a held head now (the loop does this on its next turn anyway)."""
+        """Write a held head now (the loop does this on its next turn anyway); a head held
+        when the connection was lost is dropped with it."""
         held = self._held
         if held is not None:
             self._drop_held()
-            self._transport.write(held)
+            if not self._transport.is_closing():
+                self._transport.write(held)
 
     def _drop_held(self) -> None:
         self._held = None
@@ -75,8 +77,7 @@ class CoalescingTransport:
         self._transport.write_eof()
 
     def close(self) -> None:
-        if not self._transport.is_closing():
-            self.flush()
+        self.flush()
         self._transport.close()
 
     def abort(self) -> None:
