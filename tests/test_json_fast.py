@@ -32,97 +32,13 @@ from chatroute._json import (
 from chatroute.providers.openai_compat import OpenAIChatClient, _json_default
 from chatroute.server import wire
 from chatroute.server.errors import APIError
-from chatroute.server.guard import NotJSON, parse_json
+from chatroute.server.guard import NotJSON, parse_json, parse_json_stdlib
 
-# ------------------------------------------------------- the stdlib-only code, as it was
+# ------------------------------------------------------------- the stdlib-only code
 
-
-class _ConstantRefused(ValueError):
-    pass
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _reject_constant(name: str) -> Any:
-    raise _ConstantRefused(f"the body contains {name}, which is not valid JSON")
-
-
-def reference_parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
-    """`parse_json` before orjson, word for word."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, APIError(
-            400, f"the body is not valid UTF-8 (at byte {exc.start})", code="invalid_encoding"
-        )
-    overflowed = False
-
-    def parse_float(literal: str) -> float:
-        nonlocal overflowed
-        value = float(literal)
-        if math.isinf(value):
-            overflowed = True
-        return value
-
-    try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=parse_float)
-    except _ConstantRefused as exc:
-        return None, APIError(400, str(exc), code="invalid_json")
-    except RecursionError:
-        return None, _too_deep(max_depth)
-    except ValueError as exc:
-        return NotJSON(exc), None
-    strings = b"\\u" in body
-    deep = body.count(b"[") + body.count(b"{") > max_depth
-    if strings or deep or overflowed:
-        problem = _first_problem(data, max_depth, strings=strings, floats=overflowed)
-        if problem is not None:
-            return None, problem
-    return data, None
-
-
-def _first_problem(data: Any, max_depth: int, *, strings: bool, floats: bool) -> APIError | None:
-    leaves: tuple[type, ...] = ()
-    if strings:
-        leaves += (str,)
-    if floats:
-        leaves += (float,)
-    kinds = (dict, list, *leaves)
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            if depth > max_depth:
-                return _too_deep(max_depth)
-            for key, item in value.items():
-                if strings and _SURROGATE.search(key):
-                    return _bad_surrogate()
-                if isinstance(item, kinds):
-                    stack.append((item, depth + 1))
-        elif isinstance(value, list):
-            if depth > max_depth:
-                return _too_deep(max_depth)
-            stack.extend((item, depth + 1) for item in value if isinstance(item, kinds))
-        elif isinstance(value, str):
-            if _SURROGATE.search(value):
-                return _bad_surrogate()
-        elif isinstance(value, float) and not math.isfinite(value):
-            return APIError(
-                400, "the body contains a number too large for JSON", code="invalid_json"
-            )
-    return None
-
-
-def _too_deep(max_depth: int) -> APIError:
-    return APIError(400, f"the JSON body nests deeper than {max_depth} levels", code="invalid_body")
-
-
-def _bad_surrogate() -> APIError:
-    return APIError(
-        400, "the body contains an unpaired UTF-16 surrogate escape", code="invalid_encoding"
-    )
-
+# `parse_json` before orjson: its stdlib path (test_server_guard.py checks that path's
+# own answers).
+reference_parse_json = parse_json_stdlib
 
 _WIRE = json.JSONEncoder(ensure_ascii=False)
 

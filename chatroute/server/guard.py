@@ -22,6 +22,7 @@ __all__ = [
     "NotJSON",
     "RequestGuard",
     "parse_json",
+    "parse_json_stdlib",
     "send_error",
 ]
 
@@ -85,6 +86,18 @@ def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
             if problem is not None:
                 return None, problem
         return data, None
+    return parse_json_stdlib(body, max_depth, openers)
+
+
+def parse_json_stdlib(
+    body: bytes, max_depth: int, openers: int | None = None
+) -> tuple[Any, APIError | None]:
+    """`parse_json` on the standard library alone: the answer the orjson path must give.
+
+    `openers` is the count of `[` and `{` bytes in `body` when the caller has it.
+    """
+    if openers is None:
+        openers = body.count(b"[") + body.count(b"{")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
