@@ -37,8 +37,6 @@ class _Unknown:
 UNKNOWN: Final = _Unknown()
 """What `loads_exact` returns when orjson cannot vouch for the stdlib's answer."""
 
-# Every digit becomes "0" and "{" becomes "[": one pass finds long digit runs and counts
-# the bytes that open arrays and objects (a bound on the nesting).
 _SCAN: Final = bytes.maketrans(b"123456789{", b"000000000[")
 _LONG_DIGITS: Final = b"0" * 19
 
@@ -50,30 +48,25 @@ def loads_exact(raw: bytes) -> Any:
     A value returned is one the stdlib gives too, with no `NaN` / `Infinity`, no float
     that overflowed to inf, and no unpaired surrogate in any string.
     """
-    scanned = raw.translate(_SCAN)
-    # Nesting needs two bytes a level: short inputs need no count.
-    openers = scanned.count(b"[") if len(raw) >= 2 * NESTING_SAFE else 0
-    return _loads(raw, scanned, openers)
+    return loads_counted(raw)[0]
 
 
 def loads_counted(raw: bytes) -> tuple[Any, int]:
     """`loads_exact(raw)`, and the count of `[` and `{` bytes in `raw` (a bound on the
     nesting, strings included)."""
+    # Every digit becomes "0" and "{" becomes "[": one pass finds long digit runs and
+    # counts the bytes that open arrays and objects.
     scanned = raw.translate(_SCAN)
     openers = scanned.count(b"[")
-    return _loads(raw, scanned, openers), openers
-
-
-def _loads(raw: bytes, scanned: bytes, openers: int) -> Any:
     if _LONG_DIGITS in scanned:
-        return UNKNOWN
+        return UNKNOWN, openers
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return UNKNOWN
+        return UNKNOWN, openers
     if openers >= NESTING_SAFE and _nests_at_least(value, NESTING_SAFE):
-        return UNKNOWN
-    return value
+        return UNKNOWN, openers
+    return value, openers
 
 
 def loads(data: bytes | str) -> Any:

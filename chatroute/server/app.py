@@ -334,6 +334,11 @@ async def _under_watch(watch: _DisconnectWatch, work: Awaitable[T]) -> T:
     return result
 
 
+def _raw_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """ASGI header pairs (lower-case names), as Starlette's Response encodes them."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
 class _SSEResponse(Response):
     """An event stream sent from the request's own task (no task group per stream).
 
@@ -363,9 +368,10 @@ class _SSEResponse(Response):
         self._sent = False
         self._watch = watch
         # What Response.init_headers would set (no content-length: the body is streamed).
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
-        self.raw_headers = raw
+        self.raw_headers = [
+            *_raw_headers(headers),
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         trace = self._trace
@@ -422,12 +428,11 @@ class _RecordedResponse(Response):
         self.status_code = 200
         self.background = None
         self.body = body
-        raw = [
+        self.raw_headers = [
             (b"content-length", str(len(body)).encode("latin-1")),
             (b"content-type", b"application/json"),
+            *_raw_headers(headers),
         ]
-        raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        self.raw_headers = raw
         self._record = record
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
