@@ -7,6 +7,7 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from chatroute._timer import timeout
 from chatroute.chat.client import ChatClient, DelegatingChatClient
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
 
@@ -104,7 +105,7 @@ class TimeoutChatClient(DelegatingChatClient):
         limit = self.attempt_timeout
         if limit is None:
             return await self.inner.get_response(messages, options)
-        timer = asyncio.timeout(limit)
+        timer = timeout(limit)
         try:
             async with timer:
                 return await self.inner.get_response(messages, options)
@@ -131,7 +132,7 @@ class TimeoutChatClient(DelegatingChatClient):
                     except StopAsyncIteration:
                         return
                 else:
-                    timer = asyncio.timeout(limit)
+                    timer = timeout(limit)
                     try:
                         async with timer:
                             item = await anext(iterator)

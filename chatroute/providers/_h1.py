@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from chatroute._timer import timer_queue
 from chatroute.providers._http import http
 
 __all__ = ["H1Pool", "H1Response"]
@@ -196,7 +197,7 @@ class H1Response:
         self._waiter = waiter
         timer = None
         if self._read_timeout is not None:
-            timer = self._loop.call_later(self._read_timeout, self._timed_out, waiter)
+            timer = timer_queue(self._loop).call_later(self._read_timeout, self._timed_out, waiter)
         try:
             await waiter
         finally:

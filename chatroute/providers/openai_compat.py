@@ -20,6 +20,7 @@ import pydantic
 
 from chatroute._json import dumps_plain
 from chatroute._json import loads as json_loads
+from chatroute._timer import timeout, timeout_at
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import (
     ChatMessage,
@@ -662,7 +663,7 @@ class OpenAIChatClient(ChatClient):
         self._check_open()
         body = self._request(messages, options, stream=False)
         try:
-            async with asyncio.timeout(self.request_timeout):
+            async with timeout(self.request_timeout):
                 response = await self._send(body)
                 try:
                     raw = await response.aread()
@@ -751,7 +752,7 @@ class OpenAIChatClient(ChatClient):
                         return await self._send(body)
                     assert events is not None
                     return await events.next()
-                async with asyncio.timeout_at(deadline):
+                async with timeout_at(deadline):
                     if response is None:
                         return await self._send(body)
                     assert events is not None

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from chatroute import __version__
+from chatroute._timer import timeout_at
 from chatroute.chat.client import ChatClient
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponseUpdate
@@ -249,7 +250,7 @@ async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
     """
     if deadline is None:
         return await awaitable
-    timer = asyncio.timeout_at(deadline.at)
+    timer = timeout_at(deadline.at)
     try:
         async with timer:
             return await awaitable

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import math
@@ -14,6 +13,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatroute._json import UNKNOWN, loads_counted
+from chatroute._timer import timeout
 from chatroute.server.errors import APIError
 
 __all__ = [
@@ -245,7 +245,7 @@ class Admission:
         """Read the body within the limits and check it; None when the request has been
         answered here (413, 408, 400) or the caller left before sending all of it."""
         try:
-            async with asyncio.timeout(self.body_timeout):
+            async with timeout(self.body_timeout):
                 body = await self._read_body(scope, receive)
         except _BodyTooLarge:
             await send_error(
