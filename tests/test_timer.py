@@ -179,7 +179,7 @@ async def _enter_outside_task(block: Any, loop: asyncio.AbstractEventLoop) -> No
     def step() -> None:
         try:
             coro.send(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting test
+        except BaseException as exc:  # handed to the awaiting test
             result.set_exception(exc)
 
     loop.call_soon(step)
