@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
+from uvicorn.server import ServerState
 
 from chatroute.config import parse_config
 from chatroute.server import build_engine, create_app
@@ -29,22 +31,55 @@ from chatroute.server.app import (
     _watched,
 )
 from chatroute.server.guard import RequestGuard
+from chatroute.server.protocol import CONNECTION_EXTENSION, HttpProtocol
 from chatroute.server.tracing import RequestTrace
 from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider
+from tests.test_server_protocol import RecordingTransport
 
 
 class Connection:
-    """An ASGI receive that reports `http.disconnect` once `leave()` was called."""
+    """A caller's connection, as the watch sees it, that goes away on `leave()`.
+
+    Two kinds (every test here runs with both): `task`, an ASGI receive that reports
+    `http.disconnect` (what any server offers, watched by a task awaiting it), and
+    `protocol`, chatroute's `HttpProtocol` named in the scope, whose connection is lost
+    (watched through its callback; its receive never answers).
+    """
+
+    kind = "task"
 
     def __init__(self) -> None:
         self.left = asyncio.Event()
+        self.scope: dict[str, Any] = {"type": "http"}
+        self.protocol: HttpProtocol | None = None
+        if self.kind == "protocol":
+            config = uvicorn.Config(_no_app, http=HttpProtocol, log_level="warning")
+            config.load()
+            self.protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
+            self.protocol.connection_made(RecordingTransport())  # type: ignore[arg-type]
+            self.scope["extensions"] = {CONNECTION_EXTENSION: {"protocol": self.protocol}}
 
     def leave(self) -> None:
+        if self.protocol is not None and not self.left.is_set():
+            self.protocol.connection_lost(None)
         self.left.set()
 
     async def receive(self) -> dict[str, Any]:
+        if self.protocol is not None:
+            await asyncio.Event().wait()  # the protocol watch never reads
         await self.left.wait()
         return {"type": "http.disconnect"}
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("no request reaches an app here")
+
+
+@pytest.fixture(autouse=True, params=["task", "protocol"])
+def watch_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    Connection.kind = request.param
+    yield request.param
+    Connection.kind = "task"
 
 
 async def upstream_call(log: list[str]) -> None:
@@ -55,6 +90,10 @@ async def upstream_call(log: list[str]) -> None:
         log.append("unwinding")
         await asyncio.sleep(0.01)
         log.append("closed")
+
+
+def watched_by(conn: Connection) -> tuple[dict[str, Any], Any]:
+    return conn.scope, conn.receive
 
 
 def not_cancelling() -> bool:
@@ -70,7 +109,7 @@ async def test_a_disconnect_ends_the_call_once_it_has_unwound() -> None:
     conn, log = Connection(), []
     asyncio.get_running_loop().call_later(0.02, conn.leave)
     with pytest.raises(_CallerGone):
-        await _watched(conn.receive, upstream_call(log))
+        await _watched(conn.scope, conn.receive, upstream_call(log))
     assert log == ["unwinding", "closed"]
     assert not_cancelling()
 
@@ -84,9 +123,9 @@ async def test_the_result_and_the_errors_of_the_call_pass_through() -> None:
         await asyncio.sleep(0)
         raise ValueError("upstream")
 
-    assert await _watched(Connection().receive, answer()) == 42
+    assert await _watched(*watched_by(Connection()), answer()) == 42
     with pytest.raises(ValueError, match="upstream"):
-        await _watched(Connection().receive, fail())
+        await _watched(*watched_by(Connection()), fail())
     await asyncio.sleep(0)
     assert not others() and not_cancelling()
 
@@ -95,20 +134,20 @@ async def test_the_deadline_still_works_inside_the_watch() -> None:
     conn, log = Connection(), []
     at = asyncio.get_running_loop().time() + 0.02
     with pytest.raises(_DeadlineHit):
-        await _watched(conn.receive, _bounded(upstream_call(log), _Deadline(at, 0.02)))
+        await _watched(conn.scope, conn.receive, _bounded(upstream_call(log), _Deadline(at, 0.02)))
     assert log == ["unwinding", "closed"] and not_cancelling()
 
     # Both at once: the caller is gone, and the task is left not cancelling.
     at = asyncio.get_running_loop().time() + 0.02
     asyncio.get_running_loop().call_at(at, conn.leave)
     with pytest.raises(_CallerGone):
-        await _watched(conn.receive, _bounded(upstream_call([]), _Deadline(at, 0.02)))
+        await _watched(conn.scope, conn.receive, _bounded(upstream_call([]), _Deadline(at, 0.02)))
     assert not_cancelling()
 
 
 async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
     conn, log = Connection(), []
-    request = asyncio.create_task(_watched(conn.receive, upstream_call(log)))
+    request = asyncio.create_task(_watched(conn.scope, conn.receive, upstream_call(log)))
     await asyncio.sleep(0.01)
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -118,7 +157,7 @@ async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
     assert not others()
 
     # Cancelled from outside while the caller leaves: still a cancellation.
-    request = asyncio.create_task(_watched(conn.receive, upstream_call([])))
+    request = asyncio.create_task(_watched(conn.scope, conn.receive, upstream_call([])))
     await asyncio.sleep(0.01)
     conn.leave()
     await asyncio.sleep(0)
@@ -130,7 +169,7 @@ async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
 async def test_an_outer_timeout_expiring_in_the_watch_is_a_timeout() -> None:
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.02):
-            await _watched(Connection().receive, upstream_call([]))
+            await _watched(*watched_by(Connection()), upstream_call([]))
     assert not_cancelling()
 
 
@@ -183,7 +222,7 @@ async def serve(
 ) -> list[dict[str, Any]]:
     """Serve the stream as `_stream` hands it over: with the request's running watch."""
     if watch is None:
-        watch = _DisconnectWatch(conn.receive)
+        watch = _DisconnectWatch(conn.scope, conn.receive)
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -194,7 +233,7 @@ async def serve(
             conn.leave()  # the server reports the completed response as a disconnect
             await asyncio.sleep(0)
 
-    await stream.response(watch)({"type": "http"}, conn.receive, send)
+    await stream.response(watch)(conn.scope, conn.receive, send)
     return sent
 
 
@@ -212,7 +251,7 @@ async def test_a_completed_stream_is_not_a_caller_leaving() -> None:
 
 async def test_a_caller_gone_before_the_first_send_is_seen_by_the_handed_over_watch() -> None:
     stream, conn = Stream(1000, pause=0.001), Connection()
-    watch = _DisconnectWatch(conn.receive)  # started while waiting for the first update
+    watch = _DisconnectWatch(conn.scope, conn.receive)  # started while waiting for the first update
     conn.leave()  # gone before the response started: its watch has not run yet
     sent = await serve(stream, conn, watch=watch)
     assert [m["type"] for m in sent] == ["http.response.start"]

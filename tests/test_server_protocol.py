@@ -11,7 +11,12 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from chatroute.server.protocol import CoalescingTransport, HttpProtocol
+from chatroute.server.protocol import (
+    CONNECTION_EXTENSION,
+    CoalescingTransport,
+    HttpProtocol,
+    connection_of,
+)
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
 
@@ -207,3 +212,95 @@ def test_pipelined_requests_get_their_answers_whole_and_in_order(serve_app: Any)
     for answer in answers:
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"200 OK") and body == b'{"ok":true}'
+
+
+async def _connection(app: Any) -> tuple[RecordingTransport, HttpProtocol]:
+    config = uvicorn.Config(app, http=HttpProtocol, log_level="warning", lifespan="off")
+    config.load()
+    protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
+    raw = RecordingTransport()
+    protocol.connection_made(raw)  # type: ignore[arg-type]
+    return raw, protocol
+
+
+async def test_the_scope_names_its_connection_and_says_whether_the_body_is_in() -> None:
+    seen: list[tuple[bool, bool, bool]] = []
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        connection = connection_of(scope)
+        assert connection is not None
+        before = connection.body_received()
+        await release.wait()
+        seen.append((connection is protocol, before, connection.body_received()))
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    _raw, protocol = await _connection(app)
+    head = b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n\r\n"
+    protocol.data_received(head + b"ab")  # half the body: the app would have to wait
+    await asyncio.sleep(0.01)
+    protocol.data_received(b"cd")
+    release.set()
+    await asyncio.sleep(0.01)
+    release.clear()
+    protocol.data_received(head + b"abcd")  # the whole body with the head
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.sleep(0.01)
+    assert seen == [(True, False, True), (True, True, True)]
+    assert connection_of({"type": "http"}) is None
+    assert connection_of({"type": "http", "extensions": {CONNECTION_EXTENSION: {}}}) is None
+    protocol.connection_lost(None)
+
+
+async def test_a_disconnect_watch_is_called_once_and_not_after_it_is_withdrawn() -> None:
+    raw, protocol = await _connection(_app)
+    calls: list[str] = []
+
+    def first() -> None:
+        calls.append("first")
+
+    def second() -> None:
+        calls.append("second")
+
+    assert protocol.watch_disconnect(first)
+    protocol.unwatch_disconnect(first)
+    assert protocol.watch_disconnect(second)
+    protocol.unwatch_disconnect(first)  # not the watch in place: left as it is
+    protocol.connection_lost(None)
+    protocol.connection_lost(None)
+    assert calls == ["second"]
+    # Once the connection is gone, a new watch is refused instead of never being called.
+    assert not protocol.watch_disconnect(first)
+    assert calls == ["second"] and raw.closed
+
+
+async def test_a_caller_hanging_up_mid_request_reaches_the_watch_over_a_real_socket() -> None:
+    called = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _app(scope, receive, send)
+            return
+        connection = connection_of(scope)
+        assert connection is not None and connection.watch_disconnect(called.set)
+        await asyncio.sleep(30)  # never answers; the caller gives up
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=HttpProtocol, log_level="warning")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()
+    await asyncio.wait_for(called.wait(), 5)
+    server.should_exit = True
+    server.force_exit = True
+    await serving

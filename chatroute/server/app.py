@@ -35,6 +35,7 @@ from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.guard import Admission, Admitted, NotJSON, RequestGuard
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
+from chatroute.server.protocol import connection_of
 from chatroute.server.tracing import RequestTrace, TraceSink, end_trace, start_trace
 from chatroute.server.wire import (
     ChatCompletionRequest,
@@ -261,23 +262,34 @@ async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
 
 
 class _DisconnectWatch:
-    """One task that cancels the current task when the caller disconnects, or when its
-    connection can no longer be read (`failure` then holds why).
+    """Cancels the current task when the caller disconnects, or when its connection can no
+    longer be read (`failure` then holds why).
+
+    On chatroute's `HttpProtocol` the connection itself calls back when it is lost; under
+    other servers one task awaits `receive()` for the disconnect message.
 
     Like `asyncio.timeout`, the watch's cancel() is matched by an uncancel() (in `caused`
     or `settle`), so a cancellation from elsewhere still propagates as what it is.
-    `on_disconnect` (settable until the caller leaves) runs when the caller disconnects.
+    A callback given to `on_disconnect` runs when the caller disconnects (at once, when
+    it already has).
     """
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
         self.gone = False
         self.failure: Exception | None = None
-        self.on_disconnect: Callable[[], None] | None = None
-        self._watcher = task.get_loop().create_task(self._watch(receive))
+        self._on_disconnect: Callable[[], None] | None = None
+        self._disconnected = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._connection = connection_of(scope)
+        if self._connection is None:
+            self._watcher = task.get_loop().create_task(self._watch(receive))
+        elif not self._connection.watch_disconnect(self._left):
+            self._connection = None
+            self._left()  # already gone: the work stops at its first wait
 
     async def _watch(self, receive: Receive) -> None:
         try:
@@ -285,14 +297,30 @@ class _DisconnectWatch:
                 pass
         except Exception as exc:
             self.failure = exc
+            self.gone = True
+            self._task.cancel()
         else:
-            if self.on_disconnect is not None:
-                self.on_disconnect()
+            self._left()
+
+    def _left(self) -> None:
+        self._disconnected = True
+        if self._on_disconnect is not None:
+            self._on_disconnect()
         self.gone = True
         self._task.cancel()
 
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when the caller disconnects; now, if it already did."""
+        self._on_disconnect = callback
+        if self._disconnected:
+            callback()
+
     def stop(self) -> None:
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._connection is not None:
+            self._connection.unwatch_disconnect(self._left)
+            self._connection = None
 
     def caused(self, exc: BaseException) -> bool:
         """Whether `exc`, raised in the watched task, is the caller going away (and not also a
@@ -311,11 +339,11 @@ class _DisconnectWatch:
         return self.gone
 
 
-async def _watched(receive: Receive, work: Awaitable[T]) -> T:
+async def _watched(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
     """Run `work` in the calling task while watching the connection; a disconnect (or a
     connection that cannot be read) cancels it and raises _CallerGone, once the cancelled
     work has finished unwinding (its upstream request closed)."""
-    watch = _DisconnectWatch(receive)
+    watch = _DisconnectWatch(scope, receive)
     try:
         return await _under_watch(watch, work)
     finally:
@@ -384,7 +412,7 @@ class _SSEResponse(Response):
                 trace.cancelled = "disconnect"
 
         watch = self._watch
-        watch.on_disconnect = caller_left
+        watch.on_disconnect(caller_left)
         try:
             await send(
                 {
@@ -1018,7 +1046,9 @@ async def _complete(
     route = trace.route or ""
     try:
         response = await _watched(
-            request.receive, _bounded(client.get_response(messages, options), deadline)
+            request.scope,
+            request.receive,
+            _bounded(client.get_response(messages, options), deadline),
         )
     except _CallerGone:
         trace.cancelled = "disconnect"
@@ -1076,7 +1106,7 @@ async def _stream(
     route = trace.route or ""
     iterator = aiter(client.get_streaming_response(messages, options))
     handed_over = False
-    watch = _DisconnectWatch(request.receive)  # handed to the response with the stream
+    watch = _DisconnectWatch(request.scope, request.receive)  # handed over with the stream
     kept = False  # whether the response took the watch over
     try:
         # The commit point: nothing is sent until the first update that carries output.

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from chatroute._json import UNKNOWN, loads_counted
 from chatroute._timer import timeout
 from chatroute.server.errors import APIError
+from chatroute.server.protocol import connection_of
 
 __all__ = [
     "Admission",
@@ -245,8 +246,12 @@ class Admission:
         """Read the body within the limits and check it; None when the request has been
         answered here (413, 408, 400) or the caller left before sending all of it."""
         try:
-            async with timeout(self.body_timeout):
-                body = await self._read_body(scope, receive)
+            connection = connection_of(scope)
+            if connection is not None and connection.body_received():
+                body = await self._read_body(scope, receive)  # in hand: nothing to wait for
+            else:
+                async with timeout(self.body_timeout):
+                    body = await self._read_body(scope, receive)
         except _BodyTooLarge:
             await send_error(
                 send,

@@ -9,16 +9,27 @@ written, so both leave in one write (one TCP segment for a small answer). A head
 body does not follow at once (a stream whose first event is not ready yet, an answer
 without a body) is written on the event loop's next turn, so nothing waits longer than
 that. Interim `1xx` answers are never held.
+
+It also tells the app about its connection without a task per request: the request's
+scope carries the protocol under `scope["extensions"]["chatroute.connection"]["protocol"]`
+(`connection_of(scope)`), which can call back when the connection is lost
+(`watch_disconnect`) and say whether the whole body has already arrived
+(`body_received`). Without it, an app learns both only by awaiting `receive()`, which
+for a disconnect means a task parked on it for the whole request.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["CoalescingTransport", "HttpProtocol"]
+__all__ = ["CONNECTION_EXTENSION", "CoalescingTransport", "HttpProtocol", "connection_of"]
+
+CONNECTION_EXTENSION: Final = "chatroute.connection"
+"""The scope extension naming the `HttpProtocol` a request arrived on."""
 
 
 class CoalescingTransport:
@@ -95,6 +106,52 @@ class HttpProtocol(HttpToolsProtocol):
     `chatroute serve` does.
     """
 
+    _on_lost: Callable[[], None] | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         wrapped = CoalescingTransport(transport, self.loop)
         super().connection_made(wrapped)  # type: ignore[arg-type]
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # An ASGI extension is a dict of its own data.
+        self.scope["extensions"] = {CONNECTION_EXTENSION: {"protocol": self}}
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        callback, self._on_lost = self._on_lost, None
+        super().connection_lost(exc)
+        if callback is not None:
+            callback()
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` (once, from the event loop) when the connection is lost, until
+        `unwatch_disconnect`; False, and no call, when it is already lost. One watch at a
+        time: the running request's."""
+        cycle = self.cycle
+        if self.transport.is_closing() or (cycle is not None and cycle.disconnected):
+            return False
+        # uvicorn pauses reading under a large body; reading is how a disconnect is seen.
+        self.flow.resume_reading()
+        self._on_lost = callback
+        return True
+
+    def unwatch_disconnect(self, callback: Callable[[], None]) -> None:
+        """Stop the watch `callback` was given to (a no-op when it already ran)."""
+        if self._on_lost == callback:
+            self._on_lost = None
+
+    def body_received(self) -> bool:
+        """Whether the running request's whole body has arrived, so that `receive()`
+        hands it over without waiting."""
+        cycle = self.cycle
+        return cycle is not None and getattr(cycle, "more_body", True) is False
+
+
+def connection_of(scope: Mapping[str, Any]) -> HttpProtocol | None:
+    """The `HttpProtocol` a request arrived on, when it did (None under other servers)."""
+    extensions = scope.get("extensions")
+    if not extensions:
+        return None
+    data = extensions.get(CONNECTION_EXTENSION)
+    connection = data.get("protocol") if data else None
+    return connection if isinstance(connection, HttpProtocol) else None
