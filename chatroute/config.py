@@ -84,6 +84,9 @@ class ServerConfig(_Strict):
     is how many allocations the cyclic garbage collector lets pass between collections of
     its youngest generation while the service runs (Python's default, 700, means a
     collection every request or two on the chat path); None leaves Python's setting.
+    `forwarded_allow_ips` lists the proxies (addresses or networks, `"*"` for any) whose
+    `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
+    and each request costs one middleware less.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +101,7 @@ class ServerConfig(_Strict):
     gc_freeze: bool = True
     gc_threshold: int | None = Field(default=20_000, ge=100)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    forwarded_allow_ips: list[Annotated[str, Field(min_length=1)]] | None = None
 
 
 class EmbedderConfig(_Strict):

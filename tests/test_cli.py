@@ -211,3 +211,28 @@ def test_index_build_persists_the_profile_index(config_file: Path, tmp_path: Pat
     assert routed.exit_code == 0, routed.output
     assert json.loads(routed.stdout)["route"] == "code"
     assert sorted(p.name for p in target.iterdir()) == saved
+
+
+@pytest.mark.parametrize(
+    ("proxies", "honoured"), [(None, False), (["10.0.0.0/8", "127.0.0.1"], True)]
+)
+def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_proxies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxies: list[str] | None, honoured: bool
+) -> None:
+    import uvicorn
+
+    from chatroute.server.protocol import HttpProtocol
+
+    settings = dict(CONFIG, server={"port": 8123, "log_level": "warning"})
+    if proxies is not None:
+        settings["server"] = {**settings["server"], "forwarded_allow_ips": proxies}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(settings), encoding="utf-8")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
+    result = run("serve", "--config", path)
+    assert result.exit_code == 0, result.output
+    assert seen["http"] is HttpProtocol and seen["port"] == 8123
+    assert seen["server_header"] is False and seen["access_log"] is False
+    assert seen["proxy_headers"] is honoured
+    assert seen["forwarded_allow_ips"] == proxies

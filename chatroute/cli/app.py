@@ -108,6 +108,7 @@ def serve(
     chatroute_logger.addHandler(handler)
     chatroute_logger.setLevel(settings.server.log_level.upper())
     chatroute_logger.propagate = False
+    proxies = settings.server.forwarded_allow_ips
     uvicorn.run(
         create_app(settings),
         host=host or settings.server.host,
@@ -122,6 +123,10 @@ def serve(
         # Longer than the usual 60 s idle timeout of proxies and load balancers in front,
         # so they, not the service, close idle keep-alive connections (no reset races).
         timeout_keep_alive=75,
+        # Forwarded headers only from the proxies the config names (uvicorn would trust
+        # 127.0.0.1 by default and wrap every request in its middleware to check).
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies,
     )
 
 
