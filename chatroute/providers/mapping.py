@@ -59,6 +59,16 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     raise TypeError(f"expected a mapping or a pydantic model, got {type(obj).__name__}")
 
 
+def _fields(obj: Any) -> Mapping[str, Any]:
+    """`obj` itself when it is a dict (decoded JSON), else `_as_dict(obj)`: for reading only."""
+    return obj if type(obj) is dict else _as_dict(obj)
+
+
+# ChatRole by its value, and the OpenAI names that map onto one: a dict lookup instead of
+# the Enum's call on every message.
+_ROLE_OF: dict[str, ChatRole] = {role.value: role for role in ChatRole}
+
+
 def _result_text(result: Any) -> str:
     if result is None:
         return ""
@@ -275,16 +285,19 @@ def finish_reason_from_openai(reason: str | None) -> ChatFinishReason | str | No
     return _FINISH.get(reason, reason)
 
 
+_USAGE_TOTALS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
+
+
 def usage_from_openai(usage: Any) -> UsageDetails | None:
     """UsageDetails from an OpenAI usage object; integer details go to `additional_counts`."""
     if usage is None:
         return None
-    data = _as_dict(usage)
+    data = _fields(usage)
     extra: dict[str, int] = {}
     for key, value in data.items():
-        if key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        if key in _USAGE_TOTALS:
             continue
-        if isinstance(value, Mapping):
+        if type(value) is dict or isinstance(value, Mapping):
             for sub, count in value.items():
                 if isinstance(count, int) and not isinstance(count, bool):
                     extra[sub] = count
@@ -319,8 +332,8 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
         if joined:
             contents.append(TextContent(joined))
     for n, call in enumerate(data.get("tool_calls") or []):
-        call = _as_dict(call)
-        function = _as_dict(call.get("function"))
+        call = _fields(call)
+        function = _fields(call.get("function"))
         index = call.get("index")
         contents.append(
             FunctionCallContent(
@@ -332,7 +345,7 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
         )
     legacy = data.get("function_call")
     if legacy:
-        function = _as_dict(legacy)
+        function = _fields(legacy)
         contents.append(
             FunctionCallContent(
                 call_id=None,
@@ -346,14 +359,16 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
 
 def message_from_openai(message: Any) -> ChatMessage:
     """A ChatMessage from an OpenAI message (dict or SDK object), any role."""
-    data = _as_dict(message)
+    data = _fields(message)
     role = data.get("role") or "assistant"
     if role == "developer":
         role = "system"
-    try:
-        chat_role = ChatRole(role)
-    except ValueError:
-        raise ValueError(f"unknown message role {role!r}") from None
+    chat_role = _ROLE_OF.get(role) if type(role) is str else None
+    if chat_role is None:
+        try:
+            chat_role = ChatRole(role)
+        except ValueError:
+            raise ValueError(f"unknown message role {role!r}") from None
     if chat_role is ChatRole.TOOL:
         call_id = data.get("tool_call_id")
         if not isinstance(call_id, str):
@@ -382,7 +397,7 @@ def messages_from_openai(messages: Sequence[Any]) -> list[ChatMessage]:
 
 def _plain(obj: Any) -> dict[str, Any]:
     """A dict from a decoded JSON object or an SDK model (extra fields included)."""
-    if isinstance(obj, dict):
+    if type(obj) is dict or isinstance(obj, dict):
         return obj
     data = _as_dict(obj)
     extra = getattr(obj, "model_extra", None)
@@ -391,7 +406,8 @@ def _plain(obj: Any) -> dict[str, Any]:
     return data
 
 
-def _first_choice(data: Mapping[str, Any]) -> dict[str, Any] | None:
+def _first_choice(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The first choice, for reading (the decoded JSON's own dict when it is one)."""
     choices = data.get("choices")
     if choices is None:
         return None
@@ -400,6 +416,8 @@ def _first_choice(data: Mapping[str, Any]) -> dict[str, Any] | None:
     if not choices:
         return None
     choice = choices[0]
+    if type(choice) is dict:
+        return choice
     if not isinstance(choice, Mapping):
         choice = _plain(choice)
     return dict(choice)
@@ -425,7 +443,7 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     if choice is None:
         raise ValueError("the completion has no choices")
     message_data = choice.get("message")
-    if not isinstance(message_data, Mapping):
+    if type(message_data) is not dict and not isinstance(message_data, Mapping):
         message_data = _plain(message_data) if message_data is not None else None
     if message_data is None:
         raise ValueError("the first choice has no message")
@@ -463,14 +481,16 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
         delta = choice.get("delta")
         if delta is None:
             delta = {}
-        elif not isinstance(delta, Mapping):
+        elif type(delta) is not dict and not isinstance(delta, Mapping):
             delta = _plain(delta)
         raw_role = delta.get("role")
         if raw_role:
-            try:
-                role = ChatRole(raw_role)
-            except ValueError:
-                role = ChatRole.ASSISTANT
+            role = _ROLE_OF.get(raw_role) if type(raw_role) is str else None
+            if role is None:
+                try:
+                    role = ChatRole(raw_role)
+                except ValueError:
+                    role = ChatRole.ASSISTANT
         contents = _contents_of(delta, streaming=True)
         finish = finish_reason_from_openai(choice.get("finish_reason"))
     return ChatResponseUpdate(
