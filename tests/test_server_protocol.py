@@ -304,3 +304,32 @@ async def test_a_caller_hanging_up_mid_request_reaches_the_watch_over_a_real_soc
     server.should_exit = True
     server.force_exit = True
     await serving
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout_and_not_before() -> None:
+    config = uvicorn.Config(
+        _app, host="127.0.0.1", port=0, http=HttpProtocol, log_level="warning", lifespan="off"
+    )
+    config.timeout_keep_alive = 0.3
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n"
+    try:
+        for _ in range(3):  # each answer re-arms the timeout; 0.15 s apart the connection stays
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200 OK")
+            assert await reader.readexactly(11) == b'{"ok":true}'
+            await asyncio.sleep(0.15)
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        idle = asyncio.get_running_loop().time() - started
+        assert 0.05 < idle < 2.0
+    finally:
+        writer.close()
+        server.should_exit = True
+        await serving
