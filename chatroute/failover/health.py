@@ -464,7 +464,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         state.tries[candidate.name] = state.tries.get(candidate.name, 0) + 1
         state.not_before.pop(candidate.name, None)
         state.permit = permit
-        state.selection = Selection(
+        state.selection = selection = Selection(
             provider=candidate.name,
             client=candidate.client,
             attempt_number=state.attempts,
@@ -472,7 +472,27 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             forced_probe=forced,
             waited=waited,
         )
+        self.selected(selection)
         return candidate.client
+
+    # -- observation -------------------------------------------------------------------
+
+    def selected(self, selection: Selection) -> None:
+        """Called, in the request's task, as each provider is chosen; does nothing here.
+
+        Override to observe selections without wrapping `select_client`: cheaper than an
+        async override on every request, and `selection` carries the choice's flags.
+        """
+
+    def attempted(
+        self,
+        selection: Selection | None,
+        attempt: FailoverChatClientAttempt,
+        is_terminal: bool,
+    ) -> None:
+        """Called, in the request's task, as each attempt is reported (before the policy
+        acts on it); does nothing here. `selection` is the attempt's selection (None when
+        the update is not for a request this router is running)."""
 
     # -- feedback ----------------------------------------------------------------------
 
@@ -506,6 +526,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         if context is None:
             raise TypeError("context must not be None")
         state = self._states.get(context)
+        self.attempted(state.selection if state is not None else None, attempt, is_terminal)
         permit = None
         if state is not None:
             permit, state.permit = state.permit, None
