@@ -369,6 +369,10 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
     # -- selection ---------------------------------------------------------------------
 
     def _eligible(self, state: _RequestState) -> list[_Candidate]:
+        if not state.tries and not state.excluded and state.min_context is None:
+            # A request's first selection: every candidate, in configured order (each may
+            # be tried at least once, as max_tries >= 1).
+            return list(self._candidates)
         result = []
         for candidate in self._candidates:
             name = candidate.name

@@ -769,7 +769,12 @@ async def _chat_completion(
     caller_timeout = _caller_timeout(service, request)
     messages = to_chat_messages(body.messages)
     options = to_chat_options(body)
-    route_name, client = await _resolve(service, body.model, messages)
+    model = body.model
+    forced = service.engine.routes.get(model) if model and model != AUTO_MODEL else None
+    if model and forced is not None:  # a route named as the model: nothing to wait for
+        route_name, client = model, forced
+    else:
+        route_name, client = await _resolve(service, model, messages)
     trace = start_trace(route_name)
     trace.stream = bool(body.stream)
     deadline = _deadline_for(service, route_name, caller_timeout, arrived)
@@ -823,7 +828,7 @@ class _ChatEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self.admission
-        if await admission.refuse_unauthorised(scope, send):
+        if not admission.authorised(scope) and await admission.refuse_unauthorised(scope, send):
             return
         admitted = await admission.admit_body(scope, receive, send)
         if admitted is None:
@@ -861,10 +866,14 @@ class _ChatEndpoint:
         if not admitted.body:
             raise _validation_error([{"type": "missing", "loc": ("body",)}])
         try:
-            body = ChatCompletionRequest.model_validate(payload)
+            # What model_validate runs, without its wrapper.
+            body: ChatCompletionRequest = _VALIDATE_CHAT(payload)
         except pydantic.ValidationError as exc:
             raise _validation_error(exc.errors()) from None
         return await _chat_completion(service, request, body)
+
+
+_VALIDATE_CHAT = ChatCompletionRequest.__pydantic_validator__.validate_python
 
 
 class ChatrouteApp(FastAPI):
@@ -1045,10 +1054,11 @@ async def _complete(
 ) -> Response:
     route = trace.route or ""
     try:
+        call = client.get_response(messages, options)
         response = await _watched(
             request.scope,
             request.receive,
-            _bounded(client.get_response(messages, options), deadline),
+            call if deadline is None else _bounded(call, deadline),
         )
     except _CallerGone:
         trace.cancelled = "disconnect"

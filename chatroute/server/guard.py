@@ -7,7 +7,6 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -178,13 +177,15 @@ def _bad_surrogate() -> APIError:
     )
 
 
-@dataclass(frozen=True)
 class Admitted:
     """A request the admission checks let through: its whole body, and that body parsed
     (a `NotJSON` when it is not JSON; None when there is no body or it is not a `/v1` call)."""
 
-    body: bytes
-    data: Any
+    __slots__ = ("body", "data")
+
+    def __init__(self, body: bytes, data: Any) -> None:
+        self.body = body
+        self.data = data
 
 
 class Admission:
