@@ -554,3 +554,29 @@ def test_repr_never_shows_the_key() -> None:
     provider = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key="sk-very-secret")
     assert "sk-very-secret" not in repr(provider)
     assert "fast" in repr(OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", name="fast"))
+
+
+class _Text(TextContent):
+    """A TextContent subclass: messages holding one take the general mapping path."""
+
+
+@pytest.mark.parametrize("role", [ChatRole.SYSTEM, ChatRole.USER, ChatRole.ASSISTANT])
+@pytest.mark.parametrize("texts", [[], ["one"], ["one", "", "two"], [""]])
+@pytest.mark.parametrize(
+    ("author", "extra"), [(None, None), ("ann", None), (None, {"cache": {"type": "x"}})]
+)
+def test_text_only_messages_map_as_the_general_path_maps_them(
+    role: ChatRole, texts: list[str], author: str | None, extra: dict[str, Any] | None
+) -> None:
+    def message(kind: type[TextContent]) -> ChatMessage:
+        return ChatMessage(
+            role,
+            contents=[kind(text) for text in texts],
+            author_name=author,
+            additional_properties=extra,
+        )
+
+    fast = messages_to_openai([message(TextContent)])
+    general = messages_to_openai([message(_Text)])
+    assert fast == general
+    assert list(fast[0]) == list(general[0])  # the same keys in the same order

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from chatroute.chat.types import (
     ChatFinishReason,
@@ -105,6 +105,20 @@ def messages_to_openai(
     for i, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
+        contents = message.contents
+        if message.role is not ChatRole.TOOL and all(type(c) is TextContent for c in contents):
+            # The common message, text only: what the general path below gives for it.
+            texts = cast(list[TextContent], contents)
+            plain: dict[str, Any] = {
+                "role": message.role.value,
+                "content": texts[0].text if len(texts) == 1 else "".join(c.text for c in texts),
+            }
+            if message.author_name:
+                plain["name"] = message.author_name
+            if message.additional_properties:
+                plain.update(message.additional_properties)
+            out.append(plain)
+            continue
         text = "".join(c.text for c in message.contents if isinstance(c, TextContent))
         reasoning = "".join(c.text for c in message.contents if isinstance(c, TextReasoningContent))
         calls = [c for c in message.contents if isinstance(c, FunctionCallContent)]
@@ -240,15 +254,18 @@ def build_request(
     }
     if not body["messages"]:
         raise ValueError("messages must not be empty")
-    simple: dict[str, Any] = {
-        "temperature": opts.temperature,
-        "top_p": opts.top_p,
-        "seed": opts.seed,
-        "user": opts.user,
-        "frequency_penalty": opts.frequency_penalty,
-        "presence_penalty": opts.presence_penalty,
-    }
-    body.update({k: v for k, v in simple.items() if v is not None})
+    if opts.temperature is not None:
+        body["temperature"] = opts.temperature
+    if opts.top_p is not None:
+        body["top_p"] = opts.top_p
+    if opts.seed is not None:
+        body["seed"] = opts.seed
+    if opts.user is not None:
+        body["user"] = opts.user
+    if opts.frequency_penalty is not None:
+        body["frequency_penalty"] = opts.frequency_penalty
+    if opts.presence_penalty is not None:
+        body["presence_penalty"] = opts.presence_penalty
     if opts.max_output_tokens is not None:
         body[max_tokens_param] = opts.max_output_tokens
     if opts.stop_sequences:

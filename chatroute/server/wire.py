@@ -293,11 +293,14 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
         options.tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     if request.reasoning_effort is not None:
         options.reasoning = {"effort": request.reasoning_effort}
-    extra = {
-        name: getattr(request, name) for name in _PASSTHROUGH if getattr(request, name) is not None
-    }
-    if extra:
-        options.additional_properties = extra
+    if not request.model_fields_set.isdisjoint(_PASSTHROUGH):  # none given: nothing to read
+        extra = {
+            name: getattr(request, name)
+            for name in _PASSTHROUGH
+            if getattr(request, name) is not None
+        }
+        if extra:
+            options.additional_properties = extra
     return options
 
 
