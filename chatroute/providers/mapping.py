@@ -440,8 +440,11 @@ def _first_choice(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return dict(choice)
 
 
+_NUMBER = (int, float)  # a tuple: `int | float` builds a union object on every call
+
+
 def _created(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, _NUMBER) and not isinstance(value, bool):
         return float(value)
     return None
 

@@ -162,10 +162,13 @@ def _positive(name: str, value: float | None) -> float | None:
     return float(value)
 
 
+_TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per call
+
+
 def _is_content(update: ChatResponseUpdate) -> bool:
     """Whether an update carries content (text, reasoning or a tool call), not just metadata."""
     for content in update.contents:
-        if isinstance(content, TextContent | TextReasoningContent):
+        if isinstance(content, _TEXTS):
             if content.text:
                 return True
         elif isinstance(content, FunctionCallContent):

@@ -493,7 +493,10 @@ async def _sse_body(
         if not finished:
             while True:
                 try:
-                    update = await _bounded(anext(iterator), deadline)
+                    if deadline is None:
+                        update = await anext(iterator)
+                    else:
+                        update = await _bounded(anext(iterator), deadline)
                 except StopAsyncIteration:
                     break
                 chunk = encoder.encode(update)

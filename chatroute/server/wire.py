@@ -365,12 +365,15 @@ def _new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+_TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per call
+
+
 def has_content(update: ChatResponseUpdate) -> bool:
     """Whether an update carries output: text, reasoning, a tool call or a finish reason."""
     if update.finish_reason is not None:
         return True
     for content in update.contents:
-        if isinstance(content, TextContent | TextReasoningContent):
+        if isinstance(content, _TEXTS):
             if content.text:
                 return True
         elif isinstance(content, FunctionCallContent):
