@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -150,12 +152,17 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _exchange(request: bytes) -> tuple[RecordingTransport, HttpProtocol]:
-    config = uvicorn.Config(_app, http=HttpProtocol, log_level="warning", lifespan="off")
+async def _connection(app: Any) -> tuple[RecordingTransport, HttpProtocol]:
+    config = uvicorn.Config(app, http=HttpProtocol, log_level="warning", lifespan="off")
     config.load()
     protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
     raw = RecordingTransport()
     protocol.connection_made(raw)  # type: ignore[arg-type]
+    return raw, protocol
+
+
+async def _exchange(request: bytes) -> tuple[RecordingTransport, HttpProtocol]:
+    raw, protocol = await _connection(_app)
     protocol.data_received(request)
     for _ in range(200):
         await asyncio.sleep(0.001)
@@ -212,15 +219,6 @@ def test_pipelined_requests_get_their_answers_whole_and_in_order(serve_app: Any)
     for answer in answers:
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"200 OK") and body == b'{"ok":true}'
-
-
-async def _connection(app: Any) -> tuple[RecordingTransport, HttpProtocol]:
-    config = uvicorn.Config(app, http=HttpProtocol, log_level="warning", lifespan="off")
-    config.load()
-    protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
-    raw = RecordingTransport()
-    protocol.connection_made(raw)  # type: ignore[arg-type]
-    return raw, protocol
 
 
 async def test_the_scope_names_its_connection_and_says_whether_the_body_is_in() -> None:
@@ -289,47 +287,46 @@ async def test_a_caller_hanging_up_mid_request_reaches_the_watch_over_a_real_soc
         assert connection is not None and connection.watch_disconnect(called.set)
         await asyncio.sleep(30)  # never answers; the caller gives up
 
+    async with _served(app) as port:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        await asyncio.wait_for(called.wait(), 5)
+
+
+@contextlib.asynccontextmanager
+async def _served(app: Any, keep_alive: float = 5.0) -> AsyncIterator[int]:
+    """uvicorn on HttpProtocol and an ephemeral port, in this loop; yields the port."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, http=HttpProtocol, log_level="warning")
+    config.timeout_keep_alive = keep_alive
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await writer.drain()
-    await asyncio.sleep(0.05)
-    writer.close()
-    await asyncio.wait_for(called.wait(), 5)
-    server.should_exit = True
-    server.force_exit = True
-    await serving
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await serving
 
 
 async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout_and_not_before() -> None:
-    config = uvicorn.Config(
-        _app, host="127.0.0.1", port=0, http=HttpProtocol, log_level="warning", lifespan="off"
-    )
-    config.timeout_keep_alive = 0.3
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    request = b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n"
-    try:
-        for _ in range(3):  # each answer re-arms the timeout; 0.15 s apart the connection stays
-            writer.write(request)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            assert head.startswith(b"HTTP/1.1 200 OK")
-            assert await reader.readexactly(11) == b'{"ok":true}'
-            await asyncio.sleep(0.15)
-        started = asyncio.get_running_loop().time()
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
-        idle = asyncio.get_running_loop().time() - started
-        assert 0.05 < idle < 2.0
-    finally:
-        writer.close()
-        server.should_exit = True
-        await serving
+    async with _served(_app, keep_alive=0.3) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n"
+        try:
+            for _ in range(3):  # each answer re-arms the timeout; 0.15 s apart it stays open
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200 OK")
+                assert await reader.readexactly(11) == b'{"ok":true}'
+                await asyncio.sleep(0.15)
+            started = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+            idle = asyncio.get_running_loop().time() - started
+            assert 0.05 < idle < 2.0
+        finally:
+            writer.close()

@@ -225,6 +225,10 @@ def _response_format(fmt: Any) -> Any:
     raise TypeError(f"response_format must be a str, a dict or a pydantic model class, got {fmt!r}")
 
 
+# ChatOptions fields sent under their own names when set, in this order.
+_SCALAR_OPTIONS = ("temperature", "top_p", "seed", "user", "frequency_penalty", "presence_penalty")
+
+
 def build_request(
     messages: Sequence[ChatMessage],
     options: ChatOptions | None,
@@ -254,18 +258,10 @@ def build_request(
     }
     if not body["messages"]:
         raise ValueError("messages must not be empty")
-    if opts.temperature is not None:
-        body["temperature"] = opts.temperature
-    if opts.top_p is not None:
-        body["top_p"] = opts.top_p
-    if opts.seed is not None:
-        body["seed"] = opts.seed
-    if opts.user is not None:
-        body["user"] = opts.user
-    if opts.frequency_penalty is not None:
-        body["frequency_penalty"] = opts.frequency_penalty
-    if opts.presence_penalty is not None:
-        body["presence_penalty"] = opts.presence_penalty
+    for key in _SCALAR_OPTIONS:
+        value = getattr(opts, key)
+        if value is not None:
+            body[key] = value
     if opts.max_output_tokens is not None:
         body[max_tokens_param] = opts.max_output_tokens
     if opts.stop_sequences:
