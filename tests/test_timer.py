@@ -82,20 +82,23 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation(run: Any) -> None:
 
 
 def test_an_outside_cancel_racing_the_expiry_is_not_turned_into_a_timeout(run: Any) -> None:
-    # The timer fires and, in the same turn of the loop, someone else cancels the task:
-    # the block must not swallow that second cancellation as its own timeout.
-    async def victim(block_entered: asyncio.Event) -> None:
-        async with timeout_at(asyncio.get_running_loop().time() + 0.05):
+    # The timer fires and, in the same turn of the loop, before the task runs again, someone
+    # else cancels the task: the block must not swallow that second cancellation as its
+    # own timeout.
+    async def victim(when: float, block_entered: asyncio.Event) -> None:
+        async with timeout_at(when):
             block_entered.set()
             await asyncio.sleep(5)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        when = loop.time() + 0.05
         entered = asyncio.Event()
-        task = asyncio.ensure_future(victim(entered))
+        task = asyncio.ensure_future(victim(when, entered))
         await entered.wait()
-        # Queue the outside cancel on the loop's own timer right where ours fires.
-        loop.call_at(loop.time() + 0.05, task.cancel)
+        # Due at the same time and queued after the block's own timeout: both run in one
+        # pass of the queue, the timeout first, before the task resumes.
+        timer_queue(loop).call_at(when, task.cancel)
         with pytest.raises(asyncio.CancelledError):
             await task
         assert task.cancelled()
