@@ -3,7 +3,7 @@
 from chatroute.server.app import Service, create_app
 from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError
-from chatroute.server.protocol import HttpProtocol
+from chatroute.server.protocol import HttpProtocol, connection_of
 from chatroute.server.tracing import (
     AttemptRecord,
     RecordingFailoverChatClient,
@@ -21,5 +21,6 @@ __all__ = [
     "Service",
     "TraceRecorder",
     "build_engine",
+    "connection_of",
     "create_app",
 ]
