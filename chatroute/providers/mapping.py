@@ -410,7 +410,7 @@ def messages_from_openai(messages: Sequence[Any]) -> list[ChatMessage]:
 
 def _plain(obj: Any) -> dict[str, Any]:
     """A dict from a decoded JSON object or an SDK model (extra fields included)."""
-    if type(obj) is dict or isinstance(obj, dict):
+    if isinstance(obj, dict):
         return obj
     data = _as_dict(obj)
     extra = getattr(obj, "model_extra", None)

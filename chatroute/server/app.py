@@ -773,11 +773,12 @@ async def _chat_completion(
     messages = to_chat_messages(body.messages)
     options = to_chat_options(body)
     model = body.model
-    forced = service.engine.routes.get(model) if model and model != AUTO_MODEL else None
-    if model and forced is not None:  # a route named as the model: nothing to wait for
-        route_name, client = model, forced
+    named = _named_route(service, model)
+    if named is not None:  # a route named as the model: no routing to wait for
+        route_name, client = named
     else:
-        route_name, client = await _resolve(service, model, messages)
+        decision = await _decide(service, messages)
+        route_name, client = service.engine.route_name(decision.client), decision.client
     trace = start_trace(route_name)
     trace.stream = bool(body.stream)
     deadline = _deadline_for(service, route_name, caller_timeout, arrived)
@@ -1009,13 +1010,12 @@ async def _decide(service: Service, messages: Sequence[ChatMessage]) -> RouteDec
     return decision
 
 
-async def _resolve(
-    service: Service, model: str | None, messages: Sequence[ChatMessage]
-) -> tuple[str, ChatClient]:
-    engine = service.engine
+def _named_route(service: Service, model: str | None) -> tuple[str, ChatClient] | None:
+    """The route a request names as its `model`; None for `auto` (or no model), which the
+    semantic router decides; 404 for a name that is no route."""
     if model is None or model == "" or model == AUTO_MODEL:
-        decision = await _decide(service, messages)
-        return engine.route_name(decision.client), decision.client
+        return None
+    engine = service.engine
     client = engine.routes.get(model)
     if client is None:
         known = ", ".join([AUTO_MODEL, *engine.routes])
