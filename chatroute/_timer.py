@@ -50,7 +50,9 @@ class TimerHandle:
             self._queue = None
             self._callback = None
             self._args = ()
-            queue._cancelled_one()
+            queue._dead += 1
+            if queue._dead > _COMPACT_AFTER:
+                queue._compact()
 
     def cancelled(self) -> bool:
         """Whether it was cancelled or already ran (it will not run again)."""
@@ -126,10 +128,10 @@ class TimerQueue:
             heapq.heappop(heap)
             self._dead -= 1
 
-    def _cancelled_one(self) -> None:
-        self._dead += 1
+    def _compact(self) -> None:
+        """Drop the cancelled entries once they outnumber the live ones."""
         heap = self._heap
-        if self._dead > _COMPACT_AFTER and self._dead * 2 > len(heap):
+        if self._dead * 2 > len(heap):
             # In place: `_fire` may be iterating this very list (a callback cancelling).
             heap[:] = [entry for entry in heap if entry[2]._queue is not None]
             heapq.heapify(heap)

@@ -269,10 +269,9 @@ class CircuitBreaker:
         Closed: a normal permit. Open within the cool-down: None. Half-open (or open with
         the cool-down passed): the probe permit if no probe is out, otherwise None.
         """
-        now = self._clock()
-        self._refresh(now)
-        if self._state is BreakerState.CLOSED:
+        if self._state is BreakerState.CLOSED:  # only an open breaker changes with time
             return BreakerPermit(self, PermitKind.NORMAL, self._generation)
+        self._refresh(self._clock())
         if self._state is BreakerState.HALF_OPEN and self._live_probe() is None:
             permit = BreakerPermit(self, PermitKind.PROBE, self._generation)
             self._probe = weakref.ref(permit)
@@ -358,7 +357,8 @@ class CircuitBreaker:
 
     def _settle(self, permit: BreakerPermit, success: bool | None) -> None:
         now = self._clock()
-        self._refresh(now)
+        if self._state is BreakerState.OPEN:
+            self._refresh(now)
         if permit._generation != self._generation:
             return  # granted before the last transition: its verdict is stale
         if permit.kind is PermitKind.NORMAL:

@@ -369,10 +369,6 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
     # -- selection ---------------------------------------------------------------------
 
     def _eligible(self, state: _RequestState) -> list[_Candidate]:
-        if not state.tries and not state.excluded and state.min_context is None:
-            # A request's first selection: every candidate, in configured order (each may
-            # be tried at least once, as max_tries >= 1).
-            return list(self._candidates)
         result = []
         for candidate in self._candidates:
             name = candidate.name
@@ -406,6 +402,13 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             deadline = self._request_deadline
             state = _RequestState(None if deadline is None else self._clock() + deadline)
             self._states[context] = state
+            # A request's first selection: nothing is excluded, waited for or tried yet, and
+            # the deadline has just started, so the first candidate whose breaker grants a
+            # permit is the choice. When every breaker refuses, `_choose` decides.
+            for candidate in self._candidates:
+                permit = candidate.breaker.try_acquire()
+                if permit is not None:
+                    return self._chosen(state, candidate, permit, False, 0.0)
         try:
             return await self._choose(state)
         except BaseException:
@@ -534,7 +537,6 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         permit = None
         if state is not None:
             permit, state.permit = state.permit, None
-        candidate = self._candidate_for(state, attempt)
         failure = attempt.exception
 
         if failure is None:
@@ -550,6 +552,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             self._states.pop(context, None)
             return
 
+        candidate = self._candidate_for(state, attempt)
         policy = _policy_of(failure)
         if permit is not None:
             if policy.counts_against_health:

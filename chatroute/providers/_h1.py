@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from chatroute._timer import timer_queue
+from chatroute._timer import TimerQueue, timer_queue
 from chatroute.providers._http import http
 
 __all__ = ["H1Pool", "H1Response"]
@@ -85,6 +85,7 @@ class H1Response:
         "_head_done",
         "_loop",
         "_read_timeout",
+        "_timers",
         "_until_close",
         "_waiter",
         "headers",
@@ -93,11 +94,16 @@ class H1Response:
     )
 
     def __init__(
-        self, conn: _Connection, loop: asyncio.AbstractEventLoop, read_timeout: float | None
+        self,
+        conn: _Connection,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout: float | None,
+        timers: TimerQueue,
     ) -> None:
         self._conn: _Connection | None = conn
         self._loop = loop
         self._read_timeout = read_timeout
+        self._timers = timers  # the loop's TimerQueue, for the per-read timeout
         self.status = 0
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -197,7 +203,9 @@ class H1Response:
         self._waiter = waiter
         timer = None
         if self._read_timeout is not None:
-            timer = timer_queue(self._loop).call_later(self._read_timeout, self._timed_out, waiter)
+            timer = self._timers.call_at(
+                self._loop.time() + self._read_timeout, self._timed_out, waiter
+            )
         try:
             await waiter
         finally:
@@ -469,6 +477,7 @@ class H1Pool:
         self._write_timeout = write_timeout
         self._pool_timeout = pool_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timers: TimerQueue | None = None
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
         self._opening = 0
@@ -505,8 +514,8 @@ class H1Pool:
         transport errors; an interrupted call drops its connection.
         """
         conn = await self._acquire()
-        assert conn.transport is not None and self._loop is not None
-        response = H1Response(conn, self._loop, self._read_timeout)
+        assert conn.transport is not None and self._loop is not None and self._timers is not None
+        response = H1Response(conn, self._loop, self._read_timeout, self._timers)
         conn.response = response
         try:
             conn.transport.write(self._head(headers, len(content)) + content)
@@ -617,6 +626,7 @@ class H1Pool:
         self._waiters.clear()
         self._opening = 0
         self._loop = loop
+        self._timers = timer_queue(loop)
 
     async def aclose(self) -> None:
         """Close every connection; idempotent."""

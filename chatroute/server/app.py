@@ -113,9 +113,9 @@ class Service:
         headers: dict[str, str] = {}
         if route is not None:
             headers[ROUTE_HEADER] = route
-        if trace is not None and trace.provider is not None:
-            headers[PROVIDER_HEADER] = trace.provider
-            headers[ATTEMPTS_HEADER] = str(trace.attempt_count)
+        if trace is not None and trace.selections:
+            headers[PROVIDER_HEADER] = trace.selections[-1][1]  # trace.provider
+            headers[ATTEMPTS_HEADER] = str(len(trace.selections))  # trace.attempt_count
         return headers
 
 
@@ -968,6 +968,7 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             param="messages",
             code="too_many",
         )
+    limit = limits.max_message_chars
     for position, message in enumerate(messages):
         content = message.content
         if content is None:
@@ -976,7 +977,8 @@ def _check_messages(service: Service, messages: Sequence[WireMessage]) -> None:
             size = len(content)
         else:
             size = sum(len(part.text or "") for part in content)
-        _check_length(service, size, f"messages[{position}].content")
+        if size > limit:
+            _check_length(service, size, f"messages[{position}].content")
 
 
 def _check_length(service: Service, size: int, param: str) -> None:
