@@ -99,7 +99,7 @@ class FailoverChatClient(RoutingChatClient):
             attempts += 1
             start = clock()
             try:
-                response = await client.get_response(context.messages, context.chat_options)
+                response = await client.get_response(messages, context.chat_options)
             except _FAILURES as exc:
                 duration = clock() - start
                 failure: BaseException = exc
@@ -146,9 +146,7 @@ class FailoverChatClient(RoutingChatClient):
 
             # Pre-output phase: create the stream, get its iterator, await the first item.
             try:
-                iterator = aiter(
-                    client.get_streaming_response(context.messages, context.chat_options)
-                )
+                iterator = aiter(client.get_streaming_response(messages, context.chat_options))
                 next_item = iterator.__anext__
             except _FAILURES as exc:
                 duration = clock() - start

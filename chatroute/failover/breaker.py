@@ -364,8 +364,10 @@ class CircuitBreaker:
         if permit.kind is PermitKind.NORMAL:
             if success is None or self._state is not BreakerState.CLOSED:
                 return
-            self._prune(now)
-            self._outcomes.append((now, success))
+            outcomes = self._outcomes
+            if outcomes and outcomes[0][0] <= now - self._settings.window:
+                self._prune(now)
+            outcomes.append((now, success))
             if not success:
                 self._failures += 1
                 settings = self._settings

@@ -660,18 +660,26 @@ class OpenAIChatClient(ChatClient):
 
     # ------------------------------------------------------------------ non-streaming
 
+    async def _fetch(self, body: dict[str, Any]) -> bytes:
+        """POST a non-streamed request and read the whole answer."""
+        response = await self._send(body)
+        try:
+            return await response.aread()
+        finally:
+            await response.aclose()
+
     async def get_response(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> ChatResponse:
         self._check_open()
         body = self._request(messages, options, stream=False)
+        limit = self.request_timeout
         try:
-            async with timeout(self.request_timeout):
-                response = await self._send(body)
-                try:
-                    raw = await response.aread()
-                finally:
-                    await response.aclose()
+            if limit is None:
+                raw = await self._fetch(body)
+            else:
+                async with timeout(limit):
+                    raw = await self._fetch(body)
         except TimeoutError as exc:
             if isinstance(exc, ProviderError):
                 raise

@@ -78,11 +78,11 @@ class Service:
     ready: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     trace_sink: TraceSink | None = None
+    config: ChatrouteConfig = field(init=False, repr=False)
+    """The validated configuration (the engine's)."""
 
-    @property
-    def config(self) -> ChatrouteConfig:
-        """The validated configuration."""
-        return self.engine.config
+    def __post_init__(self) -> None:
+        self.config = self.engine.config
 
     def finish(self, trace: RequestTrace, status: int, started: float) -> None:
         """Record a finished chat request: its status, metrics, and the trace sink."""
@@ -345,7 +345,16 @@ async def _watched(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
     work has finished unwinding (its upstream request closed)."""
     watch = _DisconnectWatch(scope, receive)
     try:
-        return await _under_watch(watch, work)
+        # What _under_watch does, without a second coroutine on every request.
+        try:
+            result = await work
+        except (Exception, asyncio.CancelledError) as exc:
+            if watch.caused(exc):
+                raise _CallerGone from None
+            raise
+        if watch.gone and watch.settle():
+            raise _CallerGone
+        return result
     finally:
         watch.stop()
 
