@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HealthAwareFailoverChatClient", "Selection"]
 
+_ref = weakref.ref
+
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -265,9 +267,16 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         self._retry_same_client = retry_same_client
         self._max_tries = max_tries_per_client if retry_same_client else 1
         self._leave_open = leave_open
-        self._states: weakref.WeakKeyDictionary[RoutingContext, _RequestState] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Per-request state, keyed weakly by the request's RoutingContext: what a
+        # WeakKeyDictionary does, with its operations written inline (they run several
+        # times a request). A context that dies with state still held takes it along.
+        states: dict[weakref.ref[RoutingContext], _RequestState] = {}
+
+        def discard(key: weakref.ref[RoutingContext]) -> None:
+            states.pop(key, None)
+
+        self._states = states
+        self._discard = discard
         self._closed = False
 
     # -- construction helpers ----------------------------------------------------------
@@ -359,7 +368,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         overriding `on_routing_update` before calling `super()`: the request's state is
         released when its terminal update has been handled.
         """
-        state = self._states.get(context)
+        state = self._states.get(_ref(context))
         return state.selection if state is not None else None
 
     def active_requests(self) -> int:
@@ -385,7 +394,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         return result
 
     def _raise_exhausted(self, context: RoutingContext, state: _RequestState) -> None:
-        self._states.pop(context, None)
+        self._states.pop(_ref(context), None)
         failure = state.last_failure
         if failure is None:  # unreachable: the first selection always has a candidate
             raise RuntimeError("no provider is available for this request")
@@ -397,11 +406,11 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             raise TypeError("context must not be None")
         if not isinstance(context, RoutingContext):
             raise TypeError(f"context must be a RoutingContext, got {type(context).__name__}")
-        state = self._states.get(context)
+        state = self._states.get(_ref(context))
         if state is None:
             deadline = self._request_deadline
             state = _RequestState(None if deadline is None else self._clock() + deadline)
-            self._states[context] = state
+            self._states[_ref(context, self._discard)] = state
             # A request's first selection: nothing is excluded, waited for or tried yet, and
             # the deadline has just started, so the first candidate whose breaker grants a
             # permit is the choice. When every breaker refuses, `_choose` decides.
@@ -412,7 +421,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         try:
             return await self._choose(state)
         except BaseException:
-            self._states.pop(context, None)
+            self._states.pop(_ref(context), None)
             raise
 
     async def _choose(self, state: _RequestState) -> ChatClient:
@@ -532,7 +541,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         """
         if context is None:
             raise TypeError("context must not be None")
-        state = self._states.get(context)
+        state = self._states.get(_ref(context))
         self.attempted(state.selection if state is not None else None, attempt, is_terminal)
         permit = None
         if state is not None:
@@ -544,12 +553,12 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             # provider delivered.
             if permit is not None:
                 permit.record_success()
-            self._states.pop(context, None)
+            self._states.pop(_ref(context), None)
             return
         if is_terminal and _is_cancelling():
             if permit is not None:
                 permit.release()  # the caller left: not the provider's fault
-            self._states.pop(context, None)
+            self._states.pop(_ref(context), None)
             return
 
         candidate = self._candidate_for(state, attempt)
@@ -562,7 +571,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         if policy.mark_unhealthy and candidate is not None:
             candidate.breaker.trip()
         if is_terminal:
-            self._states.pop(context, None)
+            self._states.pop(_ref(context), None)
             return
         if state is None:
             # Not a request this router is running (its state was discarded by aclose(), or
@@ -571,7 +580,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
 
         state.last_failure = failure
         if policy.return_to_caller and not policy.needs_larger_context:
-            self._states.pop(context, None)
+            self._states.pop(_ref(context), None)
             raise failure
         if candidate is not None:
             name = candidate.name
@@ -579,7 +588,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
                 state.excluded.add(name)
                 window = candidate.context_window
                 if window is None:
-                    self._states.pop(context, None)
+                    self._states.pop(_ref(context), None)
                     raise failure  # nothing is known to be larger than an unknown window
                 state.min_context = max(window, state.min_context or 0)
             elif not policy.retry_same_provider or not policy.fail_over:

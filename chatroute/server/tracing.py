@@ -260,7 +260,8 @@ class RecordingFailoverChatClient(TraceRecorder, HealthAwareFailoverChatClient):
     on_routing_update = HealthAwareFailoverChatClient.on_routing_update
 
     def selected(self, selection: Selection) -> None:
-        trace = current_trace()
+        ref = _current.get()  # current_trace(), inline: once per attempt
+        trace = ref() if ref is not None else None
         if trace is not None:
             trace.selections.append((self.route, selection.provider))
 
@@ -270,7 +271,8 @@ class RecordingFailoverChatClient(TraceRecorder, HealthAwareFailoverChatClient):
         attempt: FailoverChatClientAttempt,
         is_terminal: bool,
     ) -> None:
-        trace = current_trace()
+        ref = _current.get()  # current_trace(), inline: once per attempt
+        trace = ref() if ref is not None else None
         if trace is None:
             return
         if selection is None:
