@@ -229,7 +229,7 @@ class H1Response:
         chunks.clear()
         self._buffered = 0
         conn = self._conn
-        if conn is not None:
+        if conn is not None and conn._paused:
             conn.resume()
         return data
 
@@ -245,10 +245,17 @@ class H1Response:
             await self._wait()
 
     async def aread(self) -> bytes:
+        # _next_chunk until the end, inline: a whole answer usually takes one wait or none.
         parts: list[bytes] = []
-        while (chunk := await self._next_chunk()) is not None:
-            parts.append(chunk)
-        return b"".join(parts)
+        while True:
+            if self._chunks:
+                parts.append(self._take())
+            elif self._error is not None:
+                raise self._error
+            elif self._done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            else:
+                await self._wait()
 
     def aiter_bytes(self) -> _Chunks:
         return _Chunks(self)
@@ -383,7 +390,8 @@ class _Connection(asyncio.Protocol):
         keep_alive = self._parser.should_keep_alive()
         response._on_complete()
         if keep_alive and not self.lost:
-            self.resume()
+            if self._paused:
+                self.resume()
             self._pool._release(self)
         else:
             self.close()
@@ -513,7 +521,11 @@ class H1Pool:
         accept-encoding, connection) are not taken from `headers`. Failures raise httpx
         transport errors; an interrupted call drops its connection.
         """
-        conn = await self._acquire()
+        conn = None
+        if not self._closed and self._idle and asyncio.get_running_loop() is self._loop:
+            conn = self._take_idle(self._loop.time())  # what _acquire does first
+        if conn is None:
+            conn = await self._acquire()
         assert conn.transport is not None and self._loop is not None and self._timers is not None
         response = H1Response(conn, self._loop, self._read_timeout, self._timers)
         conn.response = response
@@ -560,7 +572,8 @@ class H1Pool:
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if not conn.usable():
+            transport = conn.transport  # conn.usable(), inline
+            if conn.lost or transport is None or transport.is_closing():
                 continue
             if now - conn.idle_since > self._keepalive:
                 conn.close()
@@ -601,7 +614,8 @@ class H1Pool:
         assert self._loop is not None
         conn.idle_since = self._loop.time()
         self._idle.append(conn)
-        self._wake_one()
+        if self._waiters:
+            self._wake_one()
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)

@@ -106,11 +106,14 @@ def messages_to_openai(
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
         contents = message.contents
-        if message.role is not ChatRole.TOOL and all(type(c) is TextContent for c in contents):
+        if message.role is not ChatRole.TOOL and (
+            (len(contents) == 1 and type(contents[0]) is TextContent)
+            or all(type(c) is TextContent for c in contents)
+        ):
             # The common message, text only: what the general path below gives for it.
             texts = cast(list[TextContent], contents)
             plain: dict[str, Any] = {
-                "role": message.role.value,
+                "role": message.role._value_,  # .value, without the enum property's calls
                 "content": texts[0].text if len(texts) == 1 else "".join(c.text for c in texts),
             }
             if message.author_name:

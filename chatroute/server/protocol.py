@@ -43,26 +43,43 @@ class CoalescingTransport:
     Everything else is the wrapped transport's.
     """
 
-    __slots__ = ("_flush", "_held", "_loop", "_transport")
+    __slots__ = (
+        "_flush",
+        "_held",
+        "_loop",
+        "_transport",
+        "get_extra_info",
+        "is_closing",
+        "pause_reading",
+        "resume_reading",
+    )
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._held: bytes | None = None
         self._flush: asyncio.Handle | None = None
-
-    @staticmethod
-    def _is_final_head(data: bytes) -> bool:
-        # uvicorn writes a whole head, status line to blank line, in one call. "HTTP/1.1 1"
-        # is an interim answer (100 Continue), which the client waits for: not held.
-        return data.startswith(b"HTTP/1.1 ") and data[9:10] != b"1" and data.endswith(b"\r\n\r\n")
+        # The transport's own methods that the server calls on every request, bound here
+        # so that calling them does not go through __getattr__.
+        self.is_closing = transport.is_closing
+        self.get_extra_info = transport.get_extra_info
+        self.pause_reading = transport.pause_reading
+        self.resume_reading = transport.resume_reading
 
     def write(self, data: bytes) -> None:
         held = self._held
         if held is not None:
-            self._drop_held()
+            self._held = None  # what _drop_held does, inline: once a response
+            if self._flush is not None:
+                self._flush.cancel()
+                self._flush = None
             self._transport.write(held + data)
-        elif self._is_final_head(data):
+        elif (
+            # A final response head: uvicorn writes a whole head, status line to blank line,
+            # in one call. "HTTP/1.1 1" is an interim answer (100 Continue), which the
+            # client waits for: not held.
+            data.startswith(b"HTTP/1.1 ") and data[9:10] != b"1" and data.endswith(b"\r\n\r\n")
+        ):
             self._held = bytes(data)
             self._flush = self._loop.call_soon(self.flush)
         else:
@@ -134,7 +151,8 @@ class HttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()
-        self.flow.resume_reading()
+        if self.flow.read_paused:
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
@@ -151,7 +169,8 @@ class HttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or (cycle is not None and cycle.disconnected):
             return False
         # uvicorn pauses reading under a large body; reading is how a disconnect is seen.
-        self.flow.resume_reading()
+        if self.flow.read_paused:
+            self.flow.resume_reading()
         self._on_lost = callback
         return True
 

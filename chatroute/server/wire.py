@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -310,8 +311,9 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
 def _finish(reason: object) -> str | None:
     if reason is None:
         return None
-    value = getattr(reason, "value", reason)
-    return str(value)
+    if isinstance(reason, Enum):
+        return str(reason._value_)  # .value, without the enum property's calls
+    return str(getattr(reason, "value", reason))
 
 
 def usage_body(usage: UsageDetails) -> dict[str, Any]:
