@@ -217,12 +217,6 @@ class H1Response:
         if not waiter.done():
             self._fail(http.ReadTimeout("timed out waiting for the upstream to send data"))
 
-    async def _wait_head(self) -> None:
-        while not self._head_done and self._error is None:
-            await self._wait()
-        if self._error is not None:
-            raise self._error
-
     def _take(self) -> bytes:
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
@@ -533,7 +527,10 @@ class H1Pool:
             conn.transport.write(self._head(headers, len(content)) + content)
             if conn._drained is not None:  # a large body the upstream is slow to take
                 await conn.drain(self._write_timeout)
-            await response._wait_head()
+            while not response._head_done and response._error is None:  # the head
+                await response._wait()
+            if response._error is not None:
+                raise response._error
         except BaseException:
             await response.aclose()
             raise

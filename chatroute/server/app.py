@@ -614,6 +614,9 @@ def create_app(
             service.ready = True
             metrics.ready.set(1)
             app.state.service = service
+            endpoint = getattr(app, "chat_endpoint", None)
+            if isinstance(endpoint, _ChatEndpoint):
+                endpoint.service = service
             logger.info(
                 "chatroute ready: %d routes, %d providers",
                 len(engine.routes),
@@ -768,17 +771,17 @@ def _install_routes(app: FastAPI) -> None:
         """
         # Served by `_ChatEndpoint` in front of FastAPI (see ChatrouteApp); this route
         # documents the endpoint and serves it where that dispatch is off.
-        return await _chat_completion(_ready_service(request), request, body)
+        return await _chat_completion(_ready_service(request), request.scope, request.receive, body)
 
 
 async def _chat_completion(
-    service: Service, request: Request, body: ChatCompletionRequest
+    service: Service, scope: Scope, receive: Receive, body: ChatCompletionRequest
 ) -> Response:
     """Answer a validated chat-completions request (routing, failover, the commit rule)."""
     started = time.perf_counter()
     arrived = asyncio.get_running_loop().time()
     _check_messages(service, body.messages)
-    caller_timeout = _caller_timeout(service, request)
+    caller_timeout = _caller_timeout(service, scope)
     messages = to_chat_messages(body.messages)
     options = to_chat_options(body)
     model = body.model
@@ -800,7 +803,8 @@ async def _chat_completion(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _stream(
             service,
-            request,
+            scope,
+            receive,
             client,
             messages,
             options,
@@ -811,7 +815,7 @@ async def _chat_completion(
             extra,
         )
     return await _complete(
-        service, request, client, messages, options, trace, started, deadline, extra
+        service, scope, receive, client, messages, options, trace, started, deadline, extra
     )
 
 
@@ -838,6 +842,8 @@ class _ChatEndpoint:
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
+        # The running service (set at start-up), read without going through app.state.
+        self.service: Service | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self.admission
@@ -846,9 +852,8 @@ class _ChatEndpoint:
         admitted = await admission.admit_body(scope, receive, send)
         if admitted is None:
             return
-        request = Request(scope, receive)
         try:
-            response = await self._answer(request, admitted)
+            response = await self._answer(scope, receive, admitted)
         except APIError as error:
             response = _error_response(error)
         except Exception as exc:
@@ -858,9 +863,9 @@ class _ChatEndpoint:
             )
         await response(scope, receive, send)
 
-    async def _answer(self, request: Request, admitted: Admitted) -> Response:
+    async def _answer(self, scope: Scope, receive: Receive, admitted: Admitted) -> Response:
         # What FastAPI would validate: the parsed JSON of a JSON body, else the raw bytes.
-        is_json = _is_json_type(request.scope)
+        is_json = _is_json_type(scope)
         payload = admitted.data if is_json else admitted.body
         if isinstance(payload, NotJSON):
             error = payload.error
@@ -875,7 +880,9 @@ class _ChatEndpoint:
                     ]
                 )
             raise APIError(400, "the request body could not be parsed", code="invalid_body")
-        service = _ready_service(request)
+        service = self.service
+        if service is None or not service.ready:
+            service = _ready_service(Request(scope, receive))  # app.state's, else the 503
         if not admitted.body:
             raise _validation_error([{"type": "missing", "loc": ("body",)}])
         try:
@@ -883,7 +890,7 @@ class _ChatEndpoint:
             body: ChatCompletionRequest = _VALIDATE_CHAT(payload)
         except pydantic.ValidationError as exc:
             raise _validation_error(exc.errors()) from None
-        return await _chat_completion(service, request, body)
+        return await _chat_completion(service, scope, receive, body)
 
 
 _VALIDATE_CHAT = ChatCompletionRequest.__pydantic_validator__.validate_python
@@ -931,12 +938,12 @@ def _header_list(names: Sequence[str], limit: int = 512) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _caller_timeout(service: Service, request: Request) -> float | None:
+def _caller_timeout(service: Service, scope: Scope) -> float | None:
     if not service.config.resilience.caller_deadline:
         return None
     # The raw header list, as `request.headers.get` reads it, without building `Headers`.
     raw = None
-    for name, value in request.scope["headers"]:
+    for name, value in scope["headers"]:
         if name == _TIMEOUT_HEADER_KEY:
             raw = value.decode("latin-1")
             break
@@ -1057,7 +1064,8 @@ def _served_model(service: Service, trace: RequestTrace) -> str:
 
 async def _complete(
     service: Service,
-    request: Request,
+    scope: Scope,
+    receive: Receive,
     client: ChatClient,
     messages: list[ChatMessage],
     options: ChatOptions,
@@ -1070,8 +1078,8 @@ async def _complete(
     try:
         call = client.get_response(messages, options)
         response = await _watched(
-            request.scope,
-            request.receive,
+            scope,
+            receive,
             call if deadline is None else _bounded(call, deadline),
         )
     except _CallerGone:
@@ -1117,7 +1125,8 @@ async def _first_content(
 
 async def _stream(
     service: Service,
-    request: Request,
+    scope: Scope,
+    receive: Receive,
     client: ChatClient,
     messages: list[ChatMessage],
     options: ChatOptions,
@@ -1130,7 +1139,7 @@ async def _stream(
     route = trace.route or ""
     iterator = aiter(client.get_streaming_response(messages, options))
     handed_over = False
-    watch = _DisconnectWatch(request.scope, request.receive)  # handed over with the stream
+    watch = _DisconnectWatch(scope, receive)  # handed over with the stream
     kept = False  # whether the response took the watch over
     try:
         # The commit point: nothing is sent until the first update that carries output.
