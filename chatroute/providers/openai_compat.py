@@ -807,9 +807,15 @@ class OpenAIChatClient(ChatClient):
 
             held: list[ChatResponseUpdate] = []
             usage: UsageDetails | None = None
+            # Once output flows with no total or stall limit, no read has a time limit
+            # until the finish: read events directly, without next_step's bookkeeping.
+            unbounded = total_deadline is None and not self.stall_timeout
             while True:
                 try:
-                    event = await next_step()
+                    if committed and unbounded and not finished:
+                        event = await events.next()
+                    else:
+                        event = await next_step()
                 except Exception as exc:
                     if finished:
                         # The answer is complete (finish reason or [DONE] seen); only the

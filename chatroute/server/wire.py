@@ -448,7 +448,8 @@ class StreamEncoder:
             delta["reasoning_content"] = "".join(reasoning)
         if calls:
             delta["tool_calls"] = calls
-        finish = _finish(update.finish_reason)
+        reason = update.finish_reason
+        finish = None if reason is None else _finish(reason)
         if not self._role_sent:
             if not delta and finish is None:
                 return b""
@@ -457,7 +458,11 @@ class StreamEncoder:
         elif not delta and finish is None:
             return b""
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return _sse(self._chunk([choice], update.model_id))
+        chunk = self._chunk([choice], update.model_id)
+        out = dumps_plain(chunk)  # _sse(chunk), inline: once per streamed chunk
+        if out is None:
+            out = _JSON.encode(chunk).encode()
+        return b"data: " + out + b"\n\n"
 
     def finish(self) -> bytes:
         """The closing events: the usage chunk when asked for, then `[DONE]`."""
