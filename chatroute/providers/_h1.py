@@ -139,7 +139,9 @@ class H1Response:
         self.status = status
         self._until_close = not (chunked or length or keep_alive)
         self._head_done = True
-        self._wake()
+        waiter = self._waiter  # self._wake(), inline: the head, the body and the end each wake
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _on_body(self, data: bytes) -> None:
         decoder = self._decoder
@@ -155,7 +157,9 @@ class H1Response:
             conn = self._conn
             if self._buffered > _HIGH_WATER and conn is not None:
                 conn.pause()
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _on_complete(self) -> None:
         decoder = self._decoder
@@ -164,7 +168,9 @@ class H1Response:
             if tail:
                 self._chunks.append(tail)
         self._done = True
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _fail(self, error: BaseException) -> None:
         if not self._done and self._error is None:

@@ -375,7 +375,7 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
 
 def message_from_openai(message: Any) -> ChatMessage:
     """A ChatMessage from an OpenAI message (dict or SDK object), any role."""
-    data = _fields(message)
+    data = message if type(message) is dict else _as_dict(message)  # _fields(message)
     role = data.get("role") or "assistant"
     if role == "developer":
         role = "system"

@@ -1056,9 +1056,9 @@ def _headers(
 
 
 def _served_model(service: Service, trace: RequestTrace) -> str:
-    provider = trace.provider
-    if provider is None:
+    if not trace.selections:  # no provider was chosen
         return trace.route or AUTO_MODEL
+    provider = trace.selections[-1][1]  # trace.provider
     return service.engine.provider_models.get(provider, provider)
 
 
