@@ -795,7 +795,7 @@ async def _chat_completion(
     trace.stream = bool(body.stream)
     deadline = _deadline_for(service, route_name, caller_timeout, arrived)
     extra = {}
-    ignored = sorted(body.model_extra or {})
+    ignored = sorted(body.__pydantic_extra__ or {})  # body.model_extra, without the property
     if ignored:
         logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
         extra[IGNORED_HEADER] = _header_list(ignored)

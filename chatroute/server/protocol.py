@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from chatroute._timer import timer_queue
+from chatroute._timer import TimerQueue, timer_queue
 
 __all__ = ["CONNECTION_EXTENSION", "CoalescingTransport", "HttpProtocol", "connection_of"]
 
@@ -127,9 +127,11 @@ class HttpProtocol(HttpToolsProtocol):
     """
 
     _on_lost: Callable[[], None] | None = None
+    _timers: TimerQueue
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         wrapped = CoalescingTransport(transport, self.loop)
+        self._timers = timer_queue(self.loop)
         super().connection_made(wrapped)  # type: ignore[arg-type]
 
     def on_message_begin(self) -> None:
@@ -157,8 +159,8 @@ class HttpProtocol(HttpToolsProtocol):
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
         else:
-            self.timeout_keep_alive_task = timer_queue(self.loop).call_later(  # type: ignore[assignment]
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            self.timeout_keep_alive_task = self._timers.call_at(  # type: ignore[assignment]
+                self.loop.time() + self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
 
     def watch_disconnect(self, callback: Callable[[], None]) -> bool:

@@ -294,7 +294,8 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
         options.tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     if request.reasoning_effort is not None:
         options.reasoning = {"effort": request.reasoning_effort}
-    if not request.model_fields_set.isdisjoint(_PASSTHROUGH):  # none given: nothing to read
+    # request.model_fields_set, without the property; none given: nothing to read
+    if not request.__pydantic_fields_set__.isdisjoint(_PASSTHROUGH):
         extra = {
             name: getattr(request, name)
             for name in _PASSTHROUGH
