@@ -12,7 +12,7 @@ import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import anyio
 import openai
@@ -33,7 +33,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
-from chatroute.providers._h1 import H1Pool
+from chatroute.providers._h1 import H1Pool, H1Response
 from chatroute.providers._http import http
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
@@ -573,26 +573,23 @@ class OpenAIChatClient(ChatClient):
         timeouts and JSON encoding, built once per client by `_request_headers`), sent
         without the SDK's per-request machinery (options models, parameter transforms,
         retry loop), which cost more than the rest of a proxied call: on the client's own
-        connection pool when it has one (`_send_pooled`), else on the httpx client
-        (`_send_http`). Failures are the SDK's exceptions, made as the SDK makes them:
-        `APIStatusError` subclasses for non-2xx answers, `APITimeoutError` and
-        `APIConnectionError` for transport failures. The body is read by the caller, as
-        plain JSON, which is far cheaper per chunk than the SDK's models and lets the
-        stream be checked for `[DONE]`, keep-alives and error events.
+        connection pool when it has one, else on the httpx client (`_send_http`).
+        Failures are the SDK's exceptions, made as the SDK makes them: `APIStatusError`
+        subclasses for non-2xx answers, `APITimeoutError` and `APIConnectionError` for
+        transport failures. The body is read by the caller, as plain JSON, which is far
+        cheaper per chunk than the SDK's models and lets the stream be checked for
+        `[DONE]`, keep-alives and error events.
+
+        On the pool there is no httpx request or response unless it fails: the pool
+        raises httpx transport errors, which become the SDK's as on any httpx transport,
+        and a non-2xx answer is read, closed and handed to the SDK as an httpx response.
+        (Written here rather than in a helper coroutine: each await level is resumed on
+        every wake.)
         """
         content = self._encode(body)
         pool = self._pool
-        if pool is not None:
-            return await self._send_pooled(pool, content)
-        return await self._send_http(content)
-
-    async def _send_pooled(self, pool: H1Pool, content: bytes) -> _Body:
-        """`_send` on the connection pool: no httpx request or response unless it fails.
-
-        The pool raises httpx transport errors, which become the SDK's as on any httpx
-        transport. A non-2xx answer is read, closed and handed to the SDK as an httpx
-        response.
-        """
+        if pool is None:
+            return await self._send_http(content)
         try:
             response = await pool.post(self._raw_request_headers(), content)
         except http.RequestError as exc:
@@ -600,8 +597,12 @@ class OpenAIChatClient(ChatClient):
         # The pool drops the connection when interrupted before the response is returned,
         # and nothing here waits between getting the response and returning it but the
         # reading of an error answer (which closes it whatever happens).
-        if 200 <= response.status < 300:
-            return response
+        if not 200 <= response.status < 300:
+            await self._raise_for_status(response, content)
+        return response
+
+    async def _raise_for_status(self, response: H1Response, content: bytes) -> NoReturn:
+        """Read and close a non-2xx answer, and raise the SDK's error for it."""
         try:
             raw = await response.aread()
         finally:
@@ -662,12 +663,7 @@ class OpenAIChatClient(ChatClient):
 
     async def _fetch(self, body: dict[str, Any]) -> bytes:
         """POST a non-streamed request and read the whole answer."""
-        # What _send does, one coroutine fewer on the pooled path.
-        content = self._encode(body)
-        pool = self._pool
-        response = await (
-            self._send_pooled(pool, content) if pool is not None else self._send_http(content)
-        )
+        response = await self._send(body)
         try:
             return await response.aread()
         finally:

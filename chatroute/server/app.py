@@ -339,13 +339,20 @@ class _DisconnectWatch:
         return self.gone
 
 
-async def _watched(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
+async def _watched(
+    scope: Scope, receive: Receive, work: Awaitable[T], watch: _DisconnectWatch | None = None
+) -> T:
     """Run `work` in the calling task while watching the connection; a disconnect (or a
     connection that cannot be read) cancels it and raises _CallerGone, once the cancelled
-    work has finished unwinding (its upstream request closed)."""
-    watch = _DisconnectWatch(scope, receive)
+    work has finished unwinding (its upstream request closed).
+
+    Without `watch`, one is made for the work and stopped after it; a `watch` given is used
+    and left running (a stream hands it over to its response).
+    """
+    own = watch is None
+    if watch is None:
+        watch = _DisconnectWatch(scope, receive)
     try:
-        # What _under_watch does, without a second coroutine on every request.
         try:
             result = await work
         except (Exception, asyncio.CancelledError) as exc:
@@ -356,20 +363,8 @@ async def _watched(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
             raise _CallerGone
         return result
     finally:
-        watch.stop()
-
-
-async def _under_watch(watch: _DisconnectWatch, work: Awaitable[T]) -> T:
-    """Await `work` under a running watch (left running); _CallerGone as `_watched`."""
-    try:
-        result = await work
-    except (Exception, asyncio.CancelledError) as exc:
-        if watch.caused(exc):
-            raise _CallerGone from None
-        raise
-    if watch.settle():
-        raise _CallerGone
-    return result
+        if own:
+            watch.stop()
 
 
 def _raw_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
@@ -853,7 +848,8 @@ class _ChatEndpoint:
         if admitted is None:
             return
         try:
-            response = await self._answer(scope, receive, admitted)
+            service, body = self._validated(scope, receive, admitted)
+            response = await _chat_completion(service, scope, receive, body)
         except APIError as error:
             response = _error_response(error)
         except Exception as exc:
@@ -863,7 +859,14 @@ class _ChatEndpoint:
             )
         await response(scope, receive, send)
 
-    async def _answer(self, scope: Scope, receive: Receive, admitted: Admitted) -> Response:
+    def _validated(
+        self, scope: Scope, receive: Receive, admitted: Admitted
+    ) -> tuple[Service, ChatCompletionRequest]:
+        """The ready service and the validated request, or the APIError to answer.
+
+        Not a coroutine: every await level is resumed again each time the request's task
+        wakes.
+        """
         # What FastAPI would validate: the parsed JSON of a JSON body, else the raw bytes.
         is_json = _is_json_type(scope)
         payload = admitted.data if is_json else admitted.body
@@ -890,7 +893,7 @@ class _ChatEndpoint:
             body: ChatCompletionRequest = _VALIDATE_CHAT(payload)
         except pydantic.ValidationError as exc:
             raise _validation_error(exc.errors()) from None
-        return await _chat_completion(service, scope, receive, body)
+        return service, body
 
 
 _VALIDATE_CHAT = ChatCompletionRequest.__pydantic_validator__.validate_python
@@ -1145,8 +1148,8 @@ async def _stream(
         # The commit point: nothing is sent until the first update that carries output.
         # Until then a disconnect or the deadline cancels the routed call directly.
         try:
-            pending, finished = await _under_watch(
-                watch, _bounded(_first_content(iterator), deadline)
+            pending, finished = await _watched(
+                scope, receive, _bounded(_first_content(iterator), deadline), watch
             )
         except BaseException:
             watch.stop()
