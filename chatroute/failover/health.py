@@ -407,18 +407,19 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         if not isinstance(context, RoutingContext):
             raise TypeError(f"context must be a RoutingContext, got {type(context).__name__}")
         state = self._states.get(_ref(context))
-        if state is None:
-            deadline = self._request_deadline
-            state = _RequestState(None if deadline is None else self._clock() + deadline)
-            self._states[_ref(context, self._discard)] = state
-            # A request's first selection: nothing is excluded, waited for or tried yet, and
-            # the deadline has just started, so the first candidate whose breaker grants a
-            # permit is the choice. When every breaker refuses, `_choose` decides.
-            for candidate in self._candidates:
-                permit = candidate.breaker.try_acquire()
-                if permit is not None:
-                    return self._chosen(state, candidate, permit, False, 0.0)
         try:
+            if state is None:
+                deadline = self._request_deadline
+                state = _RequestState(None if deadline is None else self._clock() + deadline)
+                self._states[_ref(context, self._discard)] = state
+                # A request's first selection: nothing is excluded, waited for or tried
+                # yet, and the deadline has just started, so the first candidate whose
+                # breaker grants a permit is the choice. When every breaker refuses,
+                # `_choose` decides.
+                for candidate in self._candidates:
+                    permit = candidate.breaker.try_acquire()
+                    if permit is not None:
+                        return self._chosen(state, candidate, permit, False, 0.0)
             return await self._choose(state)
         except BaseException:
             self._states.pop(_ref(context), None)
