@@ -834,3 +834,20 @@ async def test_a_nonterminal_update_for_an_unknown_request_stops_routing() -> No
     assert info.value is failure
     assert r.current_selection(context) is None
     assert r.active_requests() == 0
+
+
+async def test_a_selection_hook_that_raises_releases_the_request_state() -> None:
+    class Failing(HealthAwareFailoverChatClient):
+        def selected(self, selection: Selection) -> None:
+            raise RuntimeError("hook failed")
+
+    a = Provider("a")
+    r = Failing([a], clock=Clock())
+    with pytest.raises(RuntimeError, match="hook failed"):
+        await r.get_response(MESSAGES)
+    assert a.calls == 0
+    context = RoutingContext(MESSAGES, None)  # alive: its state cannot go with it
+    with pytest.raises(RuntimeError, match="hook failed"):
+        await r.select_client(context)
+    assert r.active_requests() == 0
+    assert r.current_selection(context) is None
