@@ -80,7 +80,7 @@ def loads(data: bytes | str) -> Any:
         raw = data
     else:  # a bytearray, or something json.loads refuses
         return json.loads(data)
-    value = loads_counted(raw)[0]  # loads_exact(raw)
+    value = loads_exact(raw)
     if value is UNKNOWN:
         return json.loads(data)
     return value

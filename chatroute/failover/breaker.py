@@ -364,10 +364,8 @@ class CircuitBreaker:
         if permit.kind is PermitKind.NORMAL:
             if success is None or self._state is not BreakerState.CLOSED:
                 return
-            outcomes = self._outcomes
-            if outcomes and outcomes[0][0] <= now - self._settings.window:
-                self._prune(now)
-            outcomes.append((now, success))
+            self._prune(now)
+            self._outcomes.append((now, success))
             if not success:
                 self._failures += 1
                 settings = self._settings

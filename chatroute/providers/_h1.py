@@ -139,9 +139,7 @@ class H1Response:
         self.status = status
         self._until_close = not (chunked or length or keep_alive)
         self._head_done = True
-        waiter = self._waiter  # self._wake(), inline: the head, the body and the end each wake
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def _on_body(self, data: bytes) -> None:
         decoder = self._decoder
@@ -157,9 +155,7 @@ class H1Response:
             conn = self._conn
             if self._buffered > _HIGH_WATER and conn is not None:
                 conn.pause()
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def _on_complete(self) -> None:
         decoder = self._decoder
@@ -168,9 +164,7 @@ class H1Response:
             if tail:
                 self._chunks.append(tail)
         self._done = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
         if not self._done and self._error is None:
@@ -245,17 +239,10 @@ class H1Response:
             await self._wait()
 
     async def aread(self) -> bytes:
-        # _next_chunk until the end, inline: a whole answer usually takes one wait or none.
         parts: list[bytes] = []
-        while True:
-            if self._chunks:
-                parts.append(self._take())
-            elif self._error is not None:
-                raise self._error
-            elif self._done:
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-            else:
-                await self._wait()
+        while (chunk := await self._next_chunk()) is not None:
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def aiter_bytes(self) -> _Chunks:
         return _Chunks(self)
@@ -575,8 +562,7 @@ class H1Pool:
         idle = self._idle
         while idle:
             conn = idle.pop()
-            transport = conn.transport  # conn.usable(), inline
-            if conn.lost or transport is None or transport.is_closing():
+            if not conn.usable():
                 continue
             if now - conn.idle_since > self._keepalive:
                 conn.close()

@@ -106,10 +106,7 @@ def messages_to_openai(
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
         contents = message.contents
-        if message.role is not ChatRole.TOOL and (
-            (len(contents) == 1 and type(contents[0]) is TextContent)
-            or all(type(c) is TextContent for c in contents)
-        ):
+        if message.role is not ChatRole.TOOL and all(type(c) is TextContent for c in contents):
             # The common message, text only: what the general path below gives for it.
             texts = cast(list[TextContent], contents)
             plain: dict[str, Any] = {
@@ -337,7 +334,7 @@ def _reasoning_of(obj: Mapping[str, Any]) -> str | None:
 
 def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
     contents: list[Content] = []
-    reasoning = _reasoning_of(data) if "reasoning_content" in data or "reasoning" in data else None
+    reasoning = _reasoning_of(data)
     if reasoning:
         contents.append(TextReasoningContent(reasoning))
     text = data.get("content")
@@ -375,7 +372,7 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
 
 def message_from_openai(message: Any) -> ChatMessage:
     """A ChatMessage from an OpenAI message (dict or SDK object), any role."""
-    data = message if type(message) is dict else _as_dict(message)  # _fields(message)
+    data = _fields(message)
     role = data.get("role") or "assistant"
     if role == "developer":
         role = "system"
@@ -442,12 +439,22 @@ def _first_choice(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
 _NUMBER = (int, float)  # a tuple: `int | float` builds a union object on every call
 
 
+def _created(value: Any) -> float | None:
+    if isinstance(value, _NUMBER) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
 def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
     """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
 
     Only the first choice is read. Raises ValueError when it is not a chat completion.
     """
-    data = completion if type(completion) is dict else _plain(completion)
+    data = _plain(completion)
     choice = _first_choice(data)
     if choice is None:
         raise ValueError("the completion has no choices")
@@ -463,21 +470,13 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     fingerprint = data.get("system_fingerprint")
     if fingerprint:
         props["system_fingerprint"] = fingerprint
-    # A non-empty string, else None; a number (not a bool) as a float, else None.
-    model = data.get("model")
-    response_id = data.get("id")
-    created = data.get("created")
     return ChatResponse(
         messages=[message],
-        model_id=model if isinstance(model, str) and model else None,
+        model_id=_str_or_none(data.get("model")),
         finish_reason=finish_reason_from_openai(choice.get("finish_reason")),
         usage=usage_from_openai(data.get("usage")),
-        response_id=response_id if isinstance(response_id, str) and response_id else None,
-        created_at=(
-            float(created)
-            if isinstance(created, _NUMBER) and not isinstance(created, bool)
-            else None
-        ),
+        response_id=_str_or_none(data.get("id")),
+        created_at=_created(data.get("created")),
         raw_representation=completion,
         additional_properties=props or None,
     )
@@ -489,15 +488,8 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
     Only the first choice is read; a chunk without choices (usage, prompt filter results)
     gives an update with no contents. Raises ValueError on a malformed chunk.
     """
-    # The helpers' common cases are written inline below (decoded JSON: plain dicts, a
-    # dict first choice, no usage): this runs once per streamed chunk.
-    data = chunk if type(chunk) is dict else _plain(chunk)
-    choices = data.get("choices")
-    choice: Mapping[str, Any] | None
-    if type(choices) is list and choices and type(choices[0]) is dict:
-        choice = choices[0]
-    else:
-        choice = _first_choice(data)
+    data = _plain(chunk)
+    choice = _first_choice(data)
     role: ChatRole | None = None
     contents: list[Content] = []
     finish: ChatFinishReason | str | None = None
@@ -516,24 +508,15 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
                 except ValueError:
                     role = ChatRole.ASSISTANT
         contents = _contents_of(delta, streaming=True)
-        raw_finish = choice.get("finish_reason")
-        finish = None if raw_finish is None else finish_reason_from_openai(raw_finish)
-    model = data.get("model")
-    response_id = data.get("id")
-    usage = data.get("usage")
-    created = data.get("created")
+        finish = finish_reason_from_openai(choice.get("finish_reason"))
     return ChatResponseUpdate(
         role=role,
         contents=contents,
         finish_reason=finish,
-        model_id=model if isinstance(model, str) and model else None,
-        response_id=response_id if isinstance(response_id, str) and response_id else None,
-        usage=None if usage is None else usage_from_openai(usage),
-        created_at=(
-            float(created)
-            if isinstance(created, _NUMBER) and not isinstance(created, bool)
-            else None
-        ),
+        model_id=_str_or_none(data.get("model")),
+        response_id=_str_or_none(data.get("id")),
+        usage=usage_from_openai(data.get("usage")),
+        created_at=_created(data.get("created")),
         raw_representation=chunk,
         additional_properties={"provider": provider} if provider is not None else None,
     )

@@ -113,9 +113,10 @@ class Service:
         headers: dict[str, str] = {}
         if route is not None:
             headers[ROUTE_HEADER] = route
-        if trace is not None and trace.selections:
-            headers[PROVIDER_HEADER] = trace.selections[-1][1]  # trace.provider
-            headers[ATTEMPTS_HEADER] = str(len(trace.selections))  # trace.attempt_count
+        provider = trace.provider if trace is not None else None
+        if trace is not None and provider is not None:
+            headers[PROVIDER_HEADER] = provider
+            headers[ATTEMPTS_HEADER] = str(trace.attempt_count)
         return headers
 
 
@@ -1059,9 +1060,9 @@ def _headers(
 
 
 def _served_model(service: Service, trace: RequestTrace) -> str:
-    if not trace.selections:  # no provider was chosen
+    provider = trace.provider
+    if provider is None:
         return trace.route or AUTO_MODEL
-    provider = trace.selections[-1][1]  # trace.provider
     return service.engine.provider_models.get(provider, provider)
 
 

@@ -69,10 +69,7 @@ class CoalescingTransport:
     def write(self, data: bytes) -> None:
         held = self._held
         if held is not None:
-            self._held = None  # what _drop_held does, inline: once a response
-            if self._flush is not None:
-                self._flush.cancel()
-                self._flush = None
+            self._drop_held()
             self._transport.write(held + data)
         elif (
             # A final response head: uvicorn writes a whole head, status line to blank line,

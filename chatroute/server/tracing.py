@@ -260,8 +260,7 @@ class RecordingFailoverChatClient(TraceRecorder, HealthAwareFailoverChatClient):
     on_routing_update = HealthAwareFailoverChatClient.on_routing_update
 
     def selected(self, selection: Selection) -> None:
-        ref = _current.get()  # current_trace(), inline: once per attempt
-        trace = ref() if ref is not None else None
+        trace = current_trace()
         if trace is not None:
             trace.selections.append((self.route, selection.provider))
 
@@ -271,8 +270,7 @@ class RecordingFailoverChatClient(TraceRecorder, HealthAwareFailoverChatClient):
         attempt: FailoverChatClientAttempt,
         is_terminal: bool,
     ) -> None:
-        ref = _current.get()  # current_trace(), inline: once per attempt
-        trace = ref() if ref is not None else None
+        trace = current_trace()
         if trace is None:
             return
         if selection is None:

@@ -449,8 +449,7 @@ class StreamEncoder:
             delta["reasoning_content"] = "".join(reasoning)
         if calls:
             delta["tool_calls"] = calls
-        reason = update.finish_reason
-        finish = None if reason is None else _finish(reason)
+        finish = _finish(update.finish_reason)
         if not self._role_sent:
             if not delta and finish is None:
                 return b""
@@ -459,11 +458,7 @@ class StreamEncoder:
         elif not delta and finish is None:
             return b""
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        chunk = self._chunk([choice], update.model_id)
-        out = dumps_plain(chunk)  # _sse(chunk), inline: once per streamed chunk
-        if out is None:
-            out = _JSON.encode(chunk).encode()
-        return b"data: " + out + b"\n\n"
+        return _sse(self._chunk([choice], update.model_id))
 
     def finish(self) -> bytes:
         """The closing events: the usage chunk when asked for, then `[DONE]`."""
