@@ -1149,8 +1149,9 @@ async def _stream(
         # The commit point: nothing is sent until the first update that carries output.
         # Until then a disconnect or the deadline cancels the routed call directly.
         try:
+            first = _first_content(iterator)
             pending, finished = await _watched(
-                scope, receive, _bounded(_first_content(iterator), deadline), watch
+                scope, receive, first if deadline is None else _bounded(first, deadline), watch
             )
         except BaseException:
             watch.stop()
