@@ -24,7 +24,10 @@ stream, chunk by chunk), each one layer heavier than the one before:
 7. as 6, but posting through the openai SDK's httpx client on its aiohttp transport
    (`openai.DefaultAioHttpClient`, a streamed `send`).
 
-No validation, routing, failover, timeouts, metrics or error handling in any of them.
+No validation, routing, failover, timeouts, metrics or error handling in any of them. A
+streamed answer's head goes out with the upstream's first bytes, never before: chatroute's
+commit rule holds its head until the first content, and a head sent while the upstream is
+still silent lets the caller parse it off the time to the first token.
 Whatever a rung adds over the rung below is what that layer costs on this machine. The
 result goes to the `proxy-floor` section of BENCHMARKS.md.
 """
@@ -208,10 +211,16 @@ def plain_asgi(upstream):
                     return
         body = await asgi_body(receive)
         if is_stream(body):
+            # The head waits for the upstream's first bytes, as chatroute's commit rule
+            # makes it wait: sent earlier, the caller would parse it during the upstream's
+            # delay, off the time to the first token.
+            chunks = upstream.stream(body)
+            first = await anext(chunks)
             start = {"type": "http.response.start", "status": 200,
                      "headers": [(b"content-type", b"text/event-stream")]}
             await send(start)
-            async for chunk in upstream.stream(body):
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
@@ -235,7 +244,15 @@ def fastapi_app(upstream):
     async def relay(request: Request) -> Response:
         body = await request.body()
         if is_stream(body):
-            return StreamingResponse(upstream.stream(body), media_type="text/event-stream")
+            chunks = upstream.stream(body)
+            first = await anext(chunks)  # the head waits for the upstream, as in plain_asgi
+
+            async def relayed():
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+
+            return StreamingResponse(relayed(), media_type="text/event-stream")
         return Response(await upstream.post(body), media_type="application/json")
 
     return app
@@ -344,7 +361,8 @@ def run(args: argparse.Namespace) -> str:
         " no validation, routing, failover or metrics. Upstream: `bench/_fixed_upstream.py`,"
         f" fixed {args.delay_ms:g} ms delay. {args.pairs} interleaved pairs per round,"
         f" {args.rounds} rounds, median round shown (the method of section a. of the service"
-        " benchmark). Streaming: time to the first content token.",
+        " benchmark). Streaming: time to the first content token; the relay sends its"
+        " head with the upstream's first bytes, as chatroute's commit rule requires.",
         "",
         table(
             [
