@@ -18,7 +18,7 @@ def _check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class FailoverChatClientAttempt:
     """What one invocation of one client did; built by the failover loop, read by policies.
 
@@ -35,37 +35,22 @@ class FailoverChatClientAttempt:
     response_completed: bool
     output_committed: bool
 
-    def __init__(
-        self,
-        client: ChatClient,
-        duration: float,
-        time_to_first_update: float | None,
-        exception: BaseException | None,
-        response_completed: bool,
-        output_committed: bool,
-    ) -> None:
-        # Written out rather than generated, so that the checks run in the same call (the
-        # failover loop builds one of these per attempt).
-        setattr_ = object.__setattr__
-        setattr_(self, "client", client)
-        setattr_(self, "duration", duration)
-        setattr_(self, "time_to_first_update", time_to_first_update)
-        setattr_(self, "exception", exception)
-        setattr_(self, "response_completed", response_completed)
-        setattr_(self, "output_committed", output_committed)
+    def __post_init__(self) -> None:
         # Fast path for the records the failover loop builds (float seconds, real bools);
         # anything else goes through the full checks, which raise the precise error.
-        ttfu = time_to_first_update
+        duration = self.duration
+        ttfu = self.time_to_first_update
+        exception = self.exception
         if (
             type(duration) is float
             and duration >= 0.0
             and (ttfu is None or (type(ttfu) is float and 0.0 <= ttfu <= duration))
-            and client is not None
+            and self.client is not None
             and (exception is None or isinstance(exception, BaseException))
-            and type(response_completed) is bool
-            and type(output_committed) is bool
-            and not (response_completed and exception is not None)
-            and output_committed == (ttfu is not None)
+            and type(self.response_completed) is bool
+            and type(self.output_committed) is bool
+            and not (self.response_completed and exception is not None)
+            and self.output_committed == (ttfu is not None)
         ):
             return
         self._check()

@@ -78,11 +78,11 @@ class Service:
     ready: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     trace_sink: TraceSink | None = None
-    config: ChatrouteConfig = field(init=False, repr=False)
-    """The validated configuration (the engine's)."""
 
-    def __post_init__(self) -> None:
-        self.config = self.engine.config
+    @property
+    def config(self) -> ChatrouteConfig:
+        """The validated configuration."""
+        return self.engine.config
 
     def finish(self, trace: RequestTrace, status: int, started: float) -> None:
         """Record a finished chat request: its status, metrics, and the trace sink."""
@@ -113,10 +113,11 @@ class Service:
         headers: dict[str, str] = {}
         if route is not None:
             headers[ROUTE_HEADER] = route
-        provider = trace.provider if trace is not None else None
-        if trace is not None and provider is not None:
-            headers[PROVIDER_HEADER] = provider
-            headers[ATTEMPTS_HEADER] = str(trace.attempt_count)
+        if trace is not None:
+            provider = trace.provider
+            if provider is not None:
+                headers[PROVIDER_HEADER] = provider
+                headers[ATTEMPTS_HEADER] = str(trace.attempt_count)
         return headers
 
 
@@ -243,15 +244,20 @@ class _Deadline:
     seconds: float
 
 
-async def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> T:
-    """Await under the request deadline; its expiry cancels the call and raises _DeadlineHit.
+def _bounded(awaitable: Awaitable[T], deadline: _Deadline | None) -> Awaitable[T]:
+    """`awaitable` under the request deadline: its expiry cancels the call and raises
+    _DeadlineHit. Without a deadline, `awaitable` itself (no coroutine level around it).
 
     The expiry works by cancelling the task, so the failover router treats it as the
     caller cancelling: the running attempt is terminal, no new attempt starts, and the
     provider's health is not charged.
     """
     if deadline is None:
-        return await awaitable
+        return awaitable
+    return _under_deadline(awaitable, deadline)
+
+
+async def _under_deadline(awaitable: Awaitable[T], deadline: _Deadline) -> T:
     timer = timeout_at(deadline.at)
     try:
         async with timer:
@@ -360,7 +366,7 @@ async def _watched(
             if watch.caused(exc):
                 raise _CallerGone from None
             raise
-        if watch.gone and watch.settle():
+        if watch.settle():
             raise _CallerGone
         return result
     finally:
@@ -498,10 +504,7 @@ async def _sse_body(
         if not finished:
             while True:
                 try:
-                    if deadline is None:
-                        update = await anext(iterator)
-                    else:
-                        update = await _bounded(anext(iterator), deadline)
+                    update = await _bounded(anext(iterator), deadline)
                 except StopAsyncIteration:
                     break
                 chunk = encoder.encode(update)
@@ -1080,11 +1083,10 @@ async def _complete(
 ) -> Response:
     route = trace.route or ""
     try:
-        call = client.get_response(messages, options)
         response = await _watched(
             scope,
             receive,
-            call if deadline is None else _bounded(call, deadline),
+            _bounded(client.get_response(messages, options), deadline),
         )
     except _CallerGone:
         trace.cancelled = "disconnect"
@@ -1149,9 +1151,8 @@ async def _stream(
         # The commit point: nothing is sent until the first update that carries output.
         # Until then a disconnect or the deadline cancels the routed call directly.
         try:
-            first = _first_content(iterator)
             pending, finished = await _watched(
-                scope, receive, first if deadline is None else _bounded(first, deadline), watch
+                scope, receive, _bounded(_first_content(iterator), deadline), watch
             )
         except BaseException:
             watch.stop()
