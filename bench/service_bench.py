@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -394,6 +395,26 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def speed_reference(result: dict[str, Any], delay: float) -> str:
+    """How fast the machine ran during the pairs of one overhead result.
+
+    The direct arm's time beyond the upstream's fixed delay is the client's and the
+    upstream's own work (an HTTP call between two Python processes on loopback), measured
+    interleaved with the chatroute arm, so it moves with the machine's speed at that moment.
+    Added latency measured on a slower spell of a shared machine is larger in proportion.
+    """
+    m = result["median"]
+    excess = m["direct_p50"] - delay
+    ratio = m["added_p50"] / excess if excess > 0 else math.nan
+    return (
+        f"Machine speed during the non-streaming pairs: the direct arm took {ms(excess)} ms "
+        f"beyond the upstream's {delay * 1e3:g} ms delay (client and upstream work on "
+        f"loopback, at p50), and chatroute added {fmt(ratio)} times that. The two "
+        "move together with the speed of a shared machine, so compare runs by this ratio as "
+        "well as by the added milliseconds."
+    )
+
+
 def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: int) -> str:
     print("a. proxy overhead...", file=sys.stderr)
     plain = overhead(direct, through, pid, args.pairs, args.rounds, stream=False)
@@ -435,6 +456,8 @@ def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: i
             "per round, `httpx.Client` for both arms)",
             "",
             table(headers, rows),
+            "",
+            speed_reference(plain, args.delay_ms / 1000),
             "",
             "Added = chatroute minus direct, per percentile; paired median = median over pairs "
             "of (chatroute - direct); service CPU = the service process's CPU time per request "
