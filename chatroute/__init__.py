@@ -85,11 +85,15 @@ if TYPE_CHECKING:
         TruncatedStreamError,
         classify,
     )
+    from chatroute.providers.anthropic_messages import AnthropicChatClient
 
 __version__ = "0.1.0"
 
-# Provider names resolve lazily so that the engine never imports the openai SDK.
+# Provider names resolve lazily so that the engine never imports the openai SDK (nor the
+# anthropic SDK, an optional extra, unless AnthropicChatClient is asked for).
 _LAZY = {
+    "AnthropicChatClient": "chatroute.providers.anthropic_messages",
+} | {
     name: "chatroute.providers"
     for name in (
         "ContextLengthExceededError",
@@ -115,6 +119,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AnthropicChatClient",
     "BreakerSettings",
     "BreakerSnapshot",
     "BreakerState",

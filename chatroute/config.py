@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -240,9 +241,15 @@ class ResilienceConfig(_Strict):
 
 
 class ProviderConfig(_Strict):
-    """One upstream model endpoint; secrets come only from the environment."""
+    """One upstream model endpoint; secrets come only from the environment.
 
-    type: Literal["openai"] = "openai"
+    `type`: `openai` (any OpenAI-compatible chat-completions API; `base_url` required) or
+    `anthropic` (Anthropic's Messages API through the `anthropic` extra; `base_url`
+    defaults to Anthropic's). `default_max_tokens` is the output limit sent to an
+    `anthropic` provider when a request sets none (its API requires one).
+    """
+
+    type: Literal["openai", "anthropic"] = "openai"
     base_url: str | None = None
     base_url_env: EnvName | None = None
     model: str | None = None
@@ -251,6 +258,7 @@ class ProviderConfig(_Strict):
     timeouts: ProviderTimeouts = ProviderTimeouts()
     max_connections: int = Field(default=100, ge=1)
     max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    default_max_tokens: int = Field(default=4096, ge=1)
     context_window: int | None = Field(default=None, ge=1)
     headers: dict[str, str] = Field(default_factory=dict)
     extra_body: dict[str, Any] = Field(default_factory=dict)
@@ -388,7 +396,15 @@ class ChatrouteConfig(_Strict):
                 )
             )
         for name, provider in self.providers.items():
-            if provider.resolved_base_url(env) is None:
+            if provider.type == "anthropic" and importlib.util.find_spec("anthropic") is None:
+                problems.append(
+                    (
+                        f"providers.{name}.type",
+                        "anthropic providers need the anthropic SDK: "
+                        'pip install "chatroute[anthropic]"',
+                    )
+                )
+            if provider.type == "openai" and provider.resolved_base_url(env) is None:
                 problems.append(
                     (f"providers.{name}.base_url", "required (or set base_url_env in the env)")
                 )

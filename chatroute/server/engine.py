@@ -194,7 +194,8 @@ def build_provider(
 
     base_url = settings.resolved_base_url(environ)
     model = settings.resolved_model(environ)
-    if base_url is None or model is None:  # checked at load time; guards direct use
+    if model is None or (base_url is None and settings.type == "openai"):
+        # checked at load time; guards direct use
         raise ValueError(f"providers.{name}: base_url and model are required")
     api_key: str | None = None
     if settings.api_key_env is not None:
@@ -205,6 +206,28 @@ def build_provider(
                 name,
                 settings.api_key_env,
             )
+    if settings.type == "anthropic":
+        from chatroute.providers.anthropic_messages import AnthropicChatClient
+
+        limits = settings.timeouts
+        anthropic_client = AnthropicChatClient(
+            model,
+            base_url=base_url,
+            api_key=api_key,
+            name=name,
+            connect_timeout=limits.connect,
+            read_timeout=limits.read,
+            write_timeout=limits.write,
+            pool_timeout=limits.pool,
+            max_connections=settings.max_connections,
+            default_headers=dict(settings.headers) or None,
+            default_max_tokens=settings.default_max_tokens,
+            extra_body=dict(settings.extra_body) or None,
+            context_window=settings.context_window,
+        )
+        # Per-attempt limits (attempt, first token, stall) come from the route chain's
+        # TimeoutChatClient, which wraps every provider without its own (_route_client).
+        return anthropic_client, model, api_key
     timeouts = settings.timeouts
     client = OpenAIChatClient(
         model,

@@ -541,6 +541,9 @@ def _error_body(status: Status) -> bytes:
 class FakeUpstream:
     """A scripted OpenAI-compatible HTTP server on 127.0.0.1 (see the module docstring)."""
 
+    chat_path = "/chat/completions"
+    """The path suffix of the requests that behaviours answer."""
+
     def __init__(
         self,
         *steps: Behaviour,
@@ -839,7 +842,7 @@ class FakeUpstream:
             except ValueError:
                 parsed = None
         path = target.split("?", 1)[0]
-        is_chat = method == "POST" and path.rstrip("/").endswith("/chat/completions")
+        is_chat = method == "POST" and path.rstrip("/").endswith(self.chat_path)
         with self._lock:
             req = Request(
                 index=len(self._chat) if is_chat else -1,

@@ -1,0 +1,737 @@
+"""AnthropicChatClient: a provider for Anthropic's Messages API over the official `anthropic` SDK.
+
+Installed with the `anthropic` extra (`pip install "chatroute[anthropic]"`); importing this
+module without the SDK raises an `ImportError` that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+try:
+    import anthropic
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        'AnthropicChatClient needs the anthropic SDK: pip install "chatroute[anthropic]"'
+    ) from exc
+
+from chatroute.chat.client import ChatClient
+from chatroute.chat.types import (
+    ChatFinishReason,
+    ChatMessage,
+    ChatOptions,
+    ChatResponse,
+    ChatResponseUpdate,
+    ChatRole,
+    Content,
+    FunctionCallContent,
+    FunctionResultContent,
+    TextContent,
+    TextReasoningContent,
+    UsageDetails,
+)
+from chatroute.providers._http import http
+from chatroute.providers.errors import (
+    _STATUS_CLASSES,
+    MalformedResponseError,
+    ProviderBadRequestError,
+    ProviderConnectionError,
+    ProviderError,
+    ProviderTimeoutError,
+    StreamInterruptedError,
+    StreamStallTimeoutError,
+    TruncatedStreamError,
+    UpstreamStreamError,
+    _error_fields,
+    is_timeout,
+    kind_for_status,
+    parse_retry_after,
+    redact,
+)
+from chatroute.providers.mapping import tool_to_openai
+
+__all__ = [
+    "AnthropicChatClient",
+    "build_anthropic_request",
+    "finish_reason_from_anthropic",
+    "response_from_anthropic",
+    "usage_from_anthropic",
+]
+
+DEFAULT_BASE_URL = "https://api.anthropic.com"
+DEFAULT_MAX_TOKENS = 4096
+
+_FINISH = {
+    "end_turn": ChatFinishReason.STOP,
+    "stop_sequence": ChatFinishReason.STOP,
+    "pause_turn": ChatFinishReason.STOP,
+    "max_tokens": ChatFinishReason.LENGTH,
+    "model_context_window_exceeded": ChatFinishReason.LENGTH,
+    "tool_use": ChatFinishReason.TOOL_CALLS,
+    "refusal": ChatFinishReason.CONTENT_FILTER,
+}
+
+# Extended-thinking budgets (tokens) for the OpenAI `reasoning_effort` words.
+THINKING_BUDGETS: Mapping[str, int] = {
+    "minimal": 1024,
+    "low": 2048,
+    "medium": 8192,
+    "high": 24576,
+}
+
+# OpenAI request fields that reach `ChatOptions.additional_properties` from the service's
+# wire format and have no Messages API counterpart: dropped rather than sent (the API
+# refuses unknown fields). `parallel_tool_calls` is translated (see `_tool_choice`).
+_OPENAI_ONLY = frozenset(
+    {
+        "parallel_tool_calls",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "metadata",
+        "store",
+        "service_tier",
+        "modalities",
+        "verbosity",
+        "prediction",
+        "prompt_cache_key",
+        "safety_identifier",
+        "n",
+    }
+)
+_RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "system", "max_tokens"})
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _result_text(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def _tool_input(call: FunctionCallContent) -> Any:
+    text = call.arguments or ""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(
+            f"the arguments of tool call {call.call_id or call.name!r} are not JSON"
+        ) from None
+
+
+def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
+    """The Messages API content blocks of one non-system message."""
+    blocks: list[dict[str, Any]] = []
+    for content in message.contents:
+        if isinstance(content, TextContent):
+            if content.text:  # the API refuses empty text blocks
+                blocks.append({"type": "text", "text": content.text})
+        elif isinstance(content, FunctionCallContent):
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": content.call_id or f"toolu_{len(blocks)}",
+                    "name": content.name or "",
+                    "input": _tool_input(content),
+                }
+            )
+        elif isinstance(content, FunctionResultContent):
+            blocks.append(
+                {
+                    "type": "tool_result",
+                    "tool_use_id": content.call_id,
+                    "content": _result_text(content.result),
+                }
+            )
+        # Reasoning from earlier turns is not sent back: the API accepts a thinking block
+        # only with the signature it issued, which chatroute's types do not carry.
+    return blocks
+
+
+def messages_to_anthropic(
+    messages: Sequence[ChatMessage], *, instructions: str | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """The `system` text and the `messages` array for chatroute messages.
+
+    System messages (and `instructions`, first) become the `system` text, joined by blank
+    lines. Tool results become `tool_result` blocks of a user turn, assistant tool calls
+    `tool_use` blocks. Consecutive turns of the same role are merged into one, as the API
+    expects (all results of one assistant turn in the next user turn).
+    """
+    if messages is None:
+        raise TypeError("messages must not be None")
+    system: list[str] = [instructions] if instructions else []
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
+        if message.role is ChatRole.SYSTEM:
+            if message.text:
+                system.append(message.text)
+            continue
+        role = "assistant" if message.role is ChatRole.ASSISTANT else "user"
+        blocks = _blocks(message)
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+    for turn in out:  # a turn of one text block is sent as plain text
+        content = turn["content"]
+        if len(content) == 1 and content[0]["type"] == "text":
+            turn["content"] = content[0]["text"]
+    return ("\n\n".join(system) if system else None), out
+
+
+def _tool(tool: Any) -> dict[str, Any]:
+    spec = tool_to_openai(tool)
+    if spec.get("type") != "function" or not isinstance(spec.get("function"), Mapping):
+        # Not an OpenAI function tool: taken to be a Messages API tool already.
+        return dict(spec)
+    function = spec["function"]
+    out: dict[str, Any] = {
+        "name": function.get("name", ""),
+        "input_schema": function.get("parameters") or {"type": "object", "properties": {}},
+    }
+    if function.get("description"):
+        out["description"] = function["description"]
+    return out
+
+
+def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
+    out: dict[str, Any] | None
+    if choice is None:
+        out = None
+    elif isinstance(choice, str):
+        words = {"auto": "auto", "none": "none", "required": "any", "any": "any"}
+        out = {"type": words[choice]} if choice in words else {"type": "tool", "name": choice}
+    elif isinstance(choice, Mapping):
+        function = choice.get("function")
+        if choice.get("type") == "function" and isinstance(function, Mapping):
+            out = {"type": "tool", "name": function.get("name", "")}
+        else:
+            out = dict(choice)
+    else:
+        raise TypeError(f"tool_choice must be a str or a dict, got {type(choice).__name__}")
+    if parallel is False:
+        out = dict(out) if out is not None else {"type": "auto"}
+        if out.get("type") != "none":
+            out["disable_parallel_tool_use"] = True
+    return out
+
+
+def _check_response_format(fmt: Any) -> None:
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+    if fmt is None or kind == "text":
+        return
+    raise ValueError(
+        f"response_format {kind!r} is not supported by the Anthropic provider; "
+        "describe the JSON shape in the prompt or use a route without it"
+    )
+
+
+def build_anthropic_request(
+    messages: Sequence[ChatMessage],
+    options: ChatOptions | None,
+    *,
+    default_model: str | None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    extra_body: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Messages API request body for chatroute messages and options.
+
+    `model_id` overrides the default model; `max_output_tokens` is `max_tokens` (which the
+    API requires: `default_max_tokens` when unset); `stop_sequences`, `temperature` and
+    `top_p` keep their names; `user` becomes `metadata.user_id`; tools and `tool_choice`
+    are translated from the OpenAI forms (`parallel_tool_calls: false` sets
+    `disable_parallel_tool_use`); a `reasoning` effort turns extended thinking on with the
+    budget in `THINKING_BUDGETS` (and `max_tokens` raised to leave room for an answer).
+    `seed` and the frequency and presence penalties have no counterpart and are not sent;
+    a JSON `response_format` raises ValueError. `additional_properties` are sent as extra
+    body fields, less the OpenAI-only ones (`logprobs`, `store`, ...).
+    """
+    options = options if options is not None else ChatOptions()
+    model = options.model_id or default_model
+    if not model:
+        raise ValueError("no model: set the client's model or ChatOptions.model_id")
+    _check_response_format(options.response_format)
+    system, turns = messages_to_anthropic(messages, instructions=options.instructions)
+    max_tokens = options.max_output_tokens or default_max_tokens
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": turns}
+    if system:
+        body["system"] = system
+    if options.temperature is not None:
+        body["temperature"] = options.temperature
+    if options.top_p is not None:
+        body["top_p"] = options.top_p
+    if options.stop_sequences:
+        body["stop_sequences"] = list(options.stop_sequences)
+    if options.user:
+        body["metadata"] = {"user_id": options.user}
+    if options.tools:
+        body["tools"] = [_tool(tool) for tool in options.tools]
+    extra = dict(options.additional_properties or {})
+    choice = _tool_choice(options.tool_choice, extra.get("parallel_tool_calls"))
+    if choice is not None:
+        body["tool_choice"] = choice
+    effort = options.reasoning.get("effort") if isinstance(options.reasoning, Mapping) else None
+    if isinstance(effort, str) and effort in THINKING_BUDGETS:
+        budget = THINKING_BUDGETS[effort]
+        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        if max_tokens <= budget:
+            body["max_tokens"] = budget + max_tokens
+    for source in (extra_body or {}, extra):
+        for key, value in source.items():
+            if key not in _OPENAI_ONLY and key not in _RESERVED_BODY_KEYS:
+                body[key] = value
+    return body
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def _get(obj: Any, name: str) -> Any:
+    """A field of an SDK object or of a plain dict."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def finish_reason_from_anthropic(reason: str | None) -> ChatFinishReason | str | None:
+    """The chat finish reason of a Messages API `stop_reason` (unknown ones kept as text)."""
+    if reason is None:
+        return None
+    return _FINISH.get(reason, reason)
+
+
+def usage_from_anthropic(usage: Any, input_tokens: int | None = None) -> UsageDetails | None:
+    """Token counts: input counts cache reads and writes too (as OpenAI's prompt tokens do),
+    which are also kept apart in `additional_counts`. `input_tokens` stands in when the
+    usage has none (a stream's closing usage)."""
+    if usage is None:
+        return None
+    base = _get(usage, "input_tokens")
+    base = base if isinstance(base, int) else input_tokens
+    extra: dict[str, int] = {}
+    for key in ("cache_creation_input_tokens", "cache_read_input_tokens"):
+        value = _get(usage, key)
+        if isinstance(value, int) and value:
+            extra[key] = value
+    output = _get(usage, "output_tokens")
+    output = output if isinstance(output, int) else None
+    total_input = base + sum(extra.values()) if base is not None else None
+    total = total_input + output if total_input is not None and output is not None else None
+    return UsageDetails(total_input, output, total, extra)
+
+
+def _content_of(block: Any, tool_index: int) -> Content | None:
+    kind = _get(block, "type")
+    if kind == "text":
+        text = _get(block, "text")
+        return TextContent(text) if isinstance(text, str) and text else None
+    if kind == "thinking":
+        text = _get(block, "thinking")
+        return TextReasoningContent(text) if isinstance(text, str) and text else None
+    if kind == "tool_use":
+        arguments = json.dumps(_get(block, "input") or {}, separators=(",", ":"))
+        return FunctionCallContent(_get(block, "id"), _get(block, "name"), arguments, tool_index)
+    return None  # redacted thinking, server tool blocks: nothing to show the caller
+
+
+def response_from_anthropic(message: Any, *, provider: str | None = None) -> ChatResponse:
+    """A `ChatResponse` from a Messages API message (an SDK object or a plain dict)."""
+    contents: list[Content] = []
+    tools = 0
+    for block in _get(message, "content") or ():
+        content = _content_of(block, tools)
+        if isinstance(content, FunctionCallContent):
+            tools += 1
+        if content is not None:
+            contents.append(content)
+    return ChatResponse(
+        messages=[ChatMessage(ChatRole.ASSISTANT, contents=contents)],
+        model_id=_get(message, "model"),
+        finish_reason=finish_reason_from_anthropic(_get(message, "stop_reason")),
+        usage=usage_from_anthropic(_get(message, "usage")),
+        response_id=_get(message, "id"),
+        created_at=time.time(),
+        raw_representation=message,
+        additional_properties={"provider": provider} if provider else None,
+    )
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+_TRANSPORT = (anthropic.APIConnectionError, http.TransportError, ConnectionError)
+_TIMEOUTS = (anthropic.APITimeoutError, http.TimeoutException, TimeoutError)
+
+
+def translate_anthropic_error(
+    exc: BaseException,
+    *,
+    provider: str | None,
+    secrets: tuple[str, ...] = (),
+    in_stream: bool = False,
+    after_output: bool = False,
+) -> BaseException:
+    """The typed `ProviderError` for an exception from the anthropic SDK or its transport.
+
+    Status answers are classified as the OpenAI ones are (`kind_for_status`: 529
+    "overloaded" is a server error, "prompt is too long" a context-length error). An
+    `error` event inside a 200 stream is an `UpstreamStreamError`. `CancelledError` and
+    `ProviderError`s are returned unchanged.
+    """
+    if isinstance(exc, ProviderError) or not isinstance(exc, Exception):
+        return exc
+
+    def clean(text: str | None) -> str | None:
+        return redact(text, secrets) if text is not None else None
+
+    common: dict[str, Any] = {"provider": provider, "after_output": after_output}
+    if isinstance(exc, anthropic.APIStatusError):
+        etype, code, message = _error_fields(exc.body)
+        status = exc.status_code
+        if status < 400:  # an `error` event in a 200 stream
+            text = clean(message or exc.message) or "error event"
+            return UpstreamStreamError(
+                f"the upstream sent an error event: {text}",
+                error_type=etype,
+                error_code=code,
+                error_message=clean(message),
+                **common,
+            )
+        kind = kind_for_status(status, code or etype, message or exc.message)
+        headers = exc.response.headers
+        text = clean(message or exc.message) or ""
+        label = etype or code
+        detail = f"HTTP {status}" + (f" ({label})" if label else "") + (f": {text}" if text else "")
+        return _STATUS_CLASSES[kind](
+            detail,
+            kind=kind,
+            status_code=status,
+            error_type=etype,
+            error_code=code,
+            error_message=clean(message),
+            retry_after=parse_retry_after(dict(headers)),
+            request_id=headers.get("request-id") or headers.get("x-request-id"),
+            **common,
+        )
+    if isinstance(exc, anthropic.APITimeoutError) or is_timeout(exc):
+        if in_stream:
+            return StreamStallTimeoutError("the stream timed out while reading", **common)
+        return ProviderTimeoutError("the request timed out", **common)
+    if isinstance(exc, _TRANSPORT + _TIMEOUTS):
+        cause = exc.__cause__ or exc
+        reason = f"{type(cause).__name__}: {clean(str(cause))}"
+        if in_stream:
+            return StreamInterruptedError(
+                f"the connection broke while reading the stream ({reason})", **common
+            )
+        return ProviderConnectionError(f"connection failed ({reason})", **common)
+    if isinstance(exc, ValueError | KeyError | TypeError | AttributeError | anthropic.APIError):
+        return MalformedResponseError(
+            f"the upstream sent an answer that is not a Messages API one ({clean(str(exc))})",
+            **common,
+        )
+    return ProviderError(f"unexpected {type(exc).__name__}: {clean(str(exc))}", **common)
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+class AnthropicChatClient(ChatClient):
+    """A provider for Anthropic's Messages API (`POST /v1/messages`) over the `anthropic` SDK.
+
+    Requests and answers are translated to and from chatroute's types
+    (`build_anthropic_request`, `response_from_anthropic`): system messages become the
+    `system` text, tool calls and results `tool_use` / `tool_result` blocks, thinking
+    blocks `TextReasoningContent`, `stop_reason` the finish reason, and usage counts
+    (cache reads and writes included in the input count). The SDK's own retries are off:
+    retrying and failing over belong to the failover policy. Failures are typed
+    `ProviderError`s classified like the OpenAI provider's (429 with its Retry-After, 529
+    overloaded as a server error, "prompt is too long" as a context-length error).
+
+    Streams follow the commit rule: nothing is yielded before the first content-bearing
+    event (text, thinking or a tool call); `message_start` and empty block starts are
+    folded into it. An `error` event, a malformed event or a broken connection raises
+    from the iterator; a stream that ends without a `stop_reason` raises
+    `TruncatedStreamError`. Closing the iterator closes the HTTP response at once.
+
+    Time limits here are the transport's (`connect`, `read` between two reads, `write`,
+    `pool`); per-attempt, first-token and stall limits come from wrapping the client in
+    `TimeoutChatClient` (the service does). `api_key` is sent as the SDK sends it; without
+    one no credentials are sent at all (nor does the SDK read ANTHROPIC_API_KEY by itself).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        name: str | None = None,
+        connect_timeout: float | None = 5.0,
+        read_timeout: float | None = 300.0,
+        write_timeout: float | None = 30.0,
+        pool_timeout: float | None = 10.0,
+        max_connections: int = 100,
+        max_keepalive_connections: int = 20,
+        keepalive_expiry: float = 30.0,
+        default_headers: Mapping[str, str] | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        extra_body: Mapping[str, Any] | None = None,
+        context_window: int | None = None,
+        http_client: Any = None,
+    ) -> None:
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError("model must be a non-empty string or None")
+        if default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be a positive token count")
+        if max_connections < 1 or max_keepalive_connections < 0:
+            raise ValueError("max_connections must be >= 1 and max_keepalive_connections >= 0")
+        if context_window is not None and context_window < 1:
+            raise ValueError("context_window must be a positive token count")
+        if extra_body and _RESERVED_BODY_KEYS & set(extra_body):
+            raise ValueError(
+                f"extra_body may not set {sorted(_RESERVED_BODY_KEYS & set(extra_body))}"
+            )
+        self.model = model
+        self.base_url = base_url or DEFAULT_BASE_URL
+        self.name = name or model or self.base_url
+        self.default_max_tokens = default_max_tokens
+        self.extra_body = dict(extra_body) if extra_body else None
+        self.context_window = context_window
+        self._secrets: tuple[str, ...] = (api_key,) if api_key else ()
+        self._closed = False
+        timeout = http.Timeout(
+            connect=connect_timeout, read=read_timeout, write=write_timeout, pool=pool_timeout
+        )
+        self._owns_http = http_client is None
+        if http_client is None:
+            http_client = anthropic.DefaultAsyncHttpxClient(
+                timeout=timeout,
+                limits=http.Limits(
+                    max_connections=max_connections,
+                    max_keepalive_connections=max_keepalive_connections,
+                    keepalive_expiry=keepalive_expiry,
+                ),
+            )
+        headers = dict(default_headers or {})
+        if not api_key:
+            headers["Authorization"] = anthropic.omit  # type: ignore[assignment]
+        self._client = anthropic.AsyncAnthropic(
+            # An explicit key (or a placeholder that is never sent): the SDK must not
+            # pick one up from the environment by itself.
+            api_key=api_key or "unused",
+            base_url=self.base_url,
+            max_retries=0,
+            timeout=timeout,
+            default_headers=headers or None,
+            http_client=http_client,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"AnthropicChatClient(name={self.name!r}, model={self.model!r}, "
+            f"base_url={self.base_url!r})"
+        )
+
+    async def aclose(self) -> None:
+        """Close the SDK client and its HTTP connections, when owned; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_http:
+            await self._client.close()
+
+    def _request(
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None
+    ) -> dict[str, Any]:
+        if self._closed:
+            raise RuntimeError(f"AnthropicChatClient {self.name!r} is closed")
+        if messages is None:
+            raise TypeError("messages must not be None")
+        if options is not None and not isinstance(options, ChatOptions):
+            raise TypeError(f"options must be ChatOptions or None, got {type(options).__name__}")
+        try:
+            return build_anthropic_request(
+                messages,
+                options,
+                default_model=self.model,
+                default_max_tokens=self.default_max_tokens,
+                extra_body=self.extra_body,
+            )
+        except ValueError as exc:
+            raise ProviderBadRequestError(str(exc), provider=self.name) from exc
+
+    def _translate(self, exc: BaseException, **kw: Any) -> BaseException:
+        return translate_anthropic_error(exc, provider=self.name, secrets=self._secrets, **kw)
+
+    async def _create(self, body: dict[str, Any], *, stream: bool) -> Any:
+        """POST the body through the SDK; the typed error on failure."""
+        # The body goes as the SDK's extra body: it is sent as built, including fields
+        # this SDK version has no parameter for.
+        model = body.pop("model")
+        max_tokens = body.pop("max_tokens")
+        messages = body.pop("messages")
+        try:
+            return await self._client.messages.create(
+                model=model,
+                max_tokens=max_tokens,
+                messages=messages,
+                stream=stream,
+                extra_body=body,
+            )
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
+    async def get_response(
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
+    ) -> ChatResponse:
+        message = await self._create(self._request(messages, options), stream=False)
+        try:
+            return response_from_anthropic(message, provider=self.name)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise MalformedResponseError(
+                f"the upstream answer is not a Messages API message ({exc})", provider=self.name
+            ) from exc
+
+    async def get_streaming_response(  # type: ignore[override]
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
+    ) -> AsyncIterator[ChatResponseUpdate]:
+        body = self._request(messages, options)
+        stream = await self._create(body, stream=True)
+        state = _StreamState(self.name)
+        try:
+            events = stream.__aiter__()
+            while True:
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    raise self._translate(exc, in_stream=True, after_output=state.sent) from exc
+                try:
+                    update = state.update_for(event)
+                except (ValueError, TypeError, AttributeError) as exc:
+                    raise MalformedResponseError(
+                        f"the upstream sent a malformed event ({exc})",
+                        provider=self.name,
+                        after_output=state.sent,
+                    ) from exc
+                if update is not None:
+                    state.sent = True
+                    yield update
+                if state.stopped:
+                    break
+            if state.finish is None:
+                raise TruncatedStreamError(
+                    "the stream ended without a stop_reason",
+                    provider=self.name,
+                    after_output=state.sent,
+                )
+        finally:
+            await stream.close()
+
+
+class _StreamState:
+    """What a Messages API stream has said so far, and the update each event makes."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.input_tokens: int | None = None
+        self.start_usage: Any = None
+        self.finish: ChatFinishReason | str | None = None
+        self.stopped = False
+        self.sent = False  # whether an update was yielded (output committed)
+        self.tool_index: dict[int, int] = {}  # block index -> tool call index
+
+    def _update(self, contents: list[Content], **fields: Any) -> ChatResponseUpdate:
+        return ChatResponseUpdate(
+            role=ChatRole.ASSISTANT,
+            contents=contents,
+            model_id=self.model,
+            response_id=self.response_id,
+            additional_properties={"provider": self.provider},
+            **fields,
+        )
+
+    def update_for(self, event: Any) -> ChatResponseUpdate | None:
+        kind = _get(event, "type")
+        if kind == "message_start":
+            message = _get(event, "message")
+            self.response_id = _get(message, "id")
+            self.model = _get(message, "model")
+            self.start_usage = _get(message, "usage")
+            tokens = _get(self.start_usage, "input_tokens") if self.start_usage else None
+            self.input_tokens = tokens if isinstance(tokens, int) else None
+            return None
+        if kind == "content_block_start":
+            index = _get(event, "index")
+            block = _get(event, "content_block")
+            if _get(block, "type") == "tool_use":
+                self.tool_index[index] = len(self.tool_index)
+                call = FunctionCallContent(
+                    _get(block, "id"), _get(block, "name"), "", self.tool_index[index]
+                )
+                return self._update([call])
+            started = _content_of(block, 0)
+            return self._update([started]) if started is not None else None
+        if kind == "content_block_delta":
+            delta = _get(event, "delta")
+            dtype = _get(delta, "type")
+            content: Content | None = None
+            if dtype == "text_delta":
+                text = _get(delta, "text")
+                content = TextContent(text) if text else None
+            elif dtype == "thinking_delta":
+                text = _get(delta, "thinking")
+                content = TextReasoningContent(text) if text else None
+            elif dtype == "input_json_delta":
+                part = _get(delta, "partial_json")
+                index = self.tool_index.get(_get(event, "index"))
+                if part and index is not None:
+                    content = FunctionCallContent(None, None, part, index)
+            return self._update([content]) if content is not None else None
+        if kind == "message_delta":
+            reason = _get(_get(event, "delta"), "stop_reason")
+            if reason is None:
+                return None
+            self.finish = finish_reason_from_anthropic(reason)
+            return self._update([], finish_reason=self.finish, usage=self._usage(event))
+        if kind == "message_stop":
+            self.stopped = True
+            return None
+        return None  # content_block_stop, ping, unknown events
+
+    def _usage(self, event: Any) -> UsageDetails | None:
+        """The closing usage: the counts of `message_delta`, with those only
+        `message_start` carried (input and cache counts, in most streams)."""
+        closing = _get(event, "usage")
+        if closing is None and self.start_usage is None:
+            return None
+        counts: dict[str, int] = {}
+        for key in (
+            "input_tokens",
+            "cache_creation_input_tokens",
+            "cache_read_input_tokens",
+            "output_tokens",
+        ):
+            value = _get(closing, key)
+            if not isinstance(value, int) and key != "output_tokens":
+                value = _get(self.start_usage, key)
+            if isinstance(value, int):
+                counts[key] = value
+        return usage_from_anthropic(counts)
