@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak clean
+.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(BIN)/python:
 # torch is pinned to the CPU build first so that no multi-GB CUDA wheel is pulled in.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,anthropic]"
+	$(BIN)/pip install --quiet -e ".[dev,anthropic,redis]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,8 +34,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) test-deps lint typecheck
 	$(BIN)/python -m pytest -q
+
+# The tests start real redis-server processes (the breaker state replicas share): the
+# Debian package is installed when the binary is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (Debian package) for the tests"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
 # The benchmarks run in their own environment: the bench extra brings semantic-router
 # 1.1.1 (compared side by side), whose pins differ from the service's newest openai.

@@ -178,6 +178,26 @@ class BreakerConfig(_Strict):
     cool_down: PositiveSeconds = 15.0
 
 
+class SharedStateConfig(_Strict):
+    """State shared by the replicas of a service, through Redis (the `redis` extra).
+
+    `redis_url_env` names the environment variable holding the Redis URL (it may carry a
+    password, so it is never written in the file); when the variable is unset or empty
+    the replica keeps its state to itself. Shared: circuit breakers (a provider that
+    fails on one replica is avoided by all for the rest of the cool-down). `key_prefix`
+    starts every key and channel name, so several services can share one Redis.
+    """
+
+    redis_url_env: EnvName | None = None
+    key_prefix: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "chatroute"
+
+    def redis_url(self, environ: Mapping[str, str]) -> str | None:
+        """The Redis URL from the environment, or None when sharing is off."""
+        if self.redis_url_env is None:
+            return None
+        return environ.get(self.redis_url_env) or None
+
+
 @dataclass(frozen=True)
 class RouteResilience:
     """The failover settings in force for one route (its own keys over `resilience`)."""
@@ -358,6 +378,7 @@ class ChatrouteConfig(_Strict):
     embedder: EmbedderConfig = EmbedderConfig()
     routing: RoutingConfig
     resilience: ResilienceConfig = ResilienceConfig()
+    shared_state: SharedStateConfig = SharedStateConfig()
     providers: dict[Name, ProviderConfig] = Field(min_length=1)
     routes: dict[Name, RouteConfig] = Field(min_length=1)
 
@@ -393,6 +414,13 @@ class ChatrouteConfig(_Strict):
                 (
                     "routing.threshold",
                     f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation",
+                )
+            )
+        if self.shared_state.redis_url_env and importlib.util.find_spec("redis") is None:
+            problems.append(
+                (
+                    "shared_state.redis_url_env",
+                    'sharing state needs the redis client: pip install "chatroute[redis]"',
                 )
             )
         for name, provider in self.providers.items():

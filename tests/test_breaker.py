@@ -207,6 +207,29 @@ def test_trip_opens_at_once_and_reset_closes() -> None:
     assert [new for _, _, new in transitions] == [BreakerState.OPEN, BreakerState.CLOSED]
 
 
+def test_trip_with_remaining_carries_over_the_rest_of_a_cool_down() -> None:
+    clock = Clock()
+    breaker, transitions = make(clock, cool_down=5.0)
+    breaker.trip(remaining=2.0)
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.remaining_cool_down() == pytest.approx(2.0)
+    clock.advance(1.9)
+    assert breaker.try_acquire() is None
+    clock.advance(0.2)
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.trip(remaining=60.0)  # never longer than the breaker's own cool-down
+    assert breaker.remaining_cool_down() == pytest.approx(5.0)
+    assert [new for _, _, new in transitions] == [
+        BreakerState.OPEN,
+        BreakerState.HALF_OPEN,
+        BreakerState.OPEN,
+    ]
+    with pytest.raises(ValueError, match="remaining"):
+        breaker.trip(remaining=-1.0)
+    with pytest.raises(TypeError, match="remaining"):
+        breaker.trip(remaining="soon")  # type: ignore[arg-type]
+
+
 def test_forced_permit_on_an_open_breaker_decides_its_state() -> None:
     clock = Clock()
     breaker, _ = make(clock, cool_down=5.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -292,11 +293,26 @@ class CircuitBreaker:
 
     # -- explicit transitions ---------------------------------------------------------
 
-    def trip(self) -> None:
-        """Open the breaker now (or restart its cool-down if it is open already)."""
+    def trip(self, remaining: float | None = None) -> None:
+        """Open the breaker now (or restart its cool-down if it is open already).
+
+        `remaining` shortens the cool-down to that many seconds from now (never beyond
+        `cool_down`): a breaker opened elsewhere, such as by another replica, carries over
+        the rest of that cool-down. `opened_at` then reads as the time it would have opened
+        for that to be left.
+        """
+        if remaining is not None:
+            if isinstance(remaining, bool) or not isinstance(remaining, int | float):
+                raise TypeError(f"remaining must be a number, got {type(remaining).__name__}")
+            if math.isnan(remaining) or remaining < 0:
+                raise ValueError(f"remaining must be >= 0 seconds, got {remaining!r}")
         now = self._clock()
         self._refresh(now)
-        self._open(now)
+        cool_down = self._settings.cool_down
+        if remaining is None or remaining >= cool_down:
+            self._open(now)
+        else:
+            self._open(now - (cool_down - remaining))
 
     def reset(self) -> None:
         """Close the breaker now, with an empty window."""
@@ -437,6 +453,16 @@ class CircuitBreakerRegistry:
         self._listeners.append(listener)
         for breaker in self._breakers.values():
             breaker.add_listener(listener)
+
+    def remove_listener(self, listener: BreakerListener) -> None:
+        """Stop calling `listener` for any breaker; raises ValueError if it was not added."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            raise ValueError("listener was not added to this registry") from None
+        for breaker in self._breakers.values():
+            with contextlib.suppress(ValueError):
+                breaker.remove_listener(listener)
 
     def __iter__(self) -> Iterator[CircuitBreaker]:
         return iter(tuple(self._breakers.values()))

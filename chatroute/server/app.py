@@ -598,7 +598,31 @@ def create_app(
         detach = _attach_embedder_metrics(engine, metrics)
         unwatch = metrics.watch_breakers(engine.breakers)
         thresholds = gc.get_threshold()
+        shared: Any = None
         try:
+            redis_url = config.shared_state.redis_url(env)
+            if redis_url is not None:
+                from chatroute.server.shared import SharedBreakerState
+
+                shared = SharedBreakerState(
+                    engine.breakers,
+                    redis_url,
+                    prefix=config.shared_state.key_prefix,
+                    on_connected=lambda up: metrics.shared_state_up.set(1 if up else 0),
+                    on_event=lambda direction: metrics.shared_breaker_events.labels(
+                        direction
+                    ).inc(),
+                )
+                await shared.start()
+                logger.info(
+                    "breaker state shared through Redis (%s)",
+                    "connected" if shared.connected else "unreachable, retrying",
+                )
+            elif config.shared_state.redis_url_env is not None:
+                logger.info(
+                    "%s is not set: breaker state is not shared with other replicas",
+                    config.shared_state.redis_url_env,
+                )
             await engine.warm()
             if config.server.gc_threshold is not None:
                 # A proxied call allocates a few hundred objects, nearly all freed by
@@ -626,6 +650,9 @@ def create_app(
             service.ready = False
             metrics.ready.set(0)
             gc.set_threshold(*thresholds)
+            if shared is not None:
+                await shared.aclose()
+                metrics.shared_state_up.set(0)
             detach()
             unwatch()
             if owned:

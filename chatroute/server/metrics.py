@@ -102,6 +102,17 @@ class ServiceMetrics:
             ["provider", "from_state", "to_state"],
             registry=r,
         )
+        self.shared_state_up = Gauge(
+            "chatroute_shared_state_up",
+            "1 while the breaker state shared through Redis is live (0: down or not used).",
+            registry=r,
+        )
+        self.shared_breaker_events = Counter(
+            "chatroute_shared_breaker_events",
+            "Breaker openings and closings shared with other replicas, by direction.",
+            ["direction"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "chatroute_cancelled_requests",
             "Chat requests cut short on the caller's side (disconnect or deadline), by route "
