@@ -66,7 +66,12 @@ class SharedBreakerState:
         self._on_connected = on_connected
         self._on_event = on_event
         self._redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout, socket_timeout=connect_timeout
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=connect_timeout,
+            # The subscription's connection is pinged when idle this long, so a Redis that
+            # went away without closing it is noticed (and reconnected to).
+            health_check_interval=15,
         )
         self._applying = False  # set while a remote event is applied: not sent back out
         self._pending: set[asyncio.Task[None]] = set()
@@ -167,7 +172,8 @@ class SharedBreakerState:
                 self._subscribed.set()
                 delay = _RETRY_MIN
                 while True:
-                    message = await pubsub.get_message(timeout=None)
+                    # A bounded wait: each call may run the idle health check.
+                    message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._apply(message.get("data"))
             except asyncio.CancelledError:
