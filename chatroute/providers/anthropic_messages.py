@@ -35,7 +35,6 @@ from chatroute.chat.types import (
 )
 from chatroute.providers._http import http
 from chatroute.providers.errors import (
-    _STATUS_CLASSES,
     MalformedResponseError,
     ProviderBadRequestError,
     ProviderConnectionError,
@@ -47,11 +46,10 @@ from chatroute.providers.errors import (
     UpstreamStreamError,
     _error_fields,
     is_timeout,
-    kind_for_status,
-    parse_retry_after,
     redact,
+    status_error,
 )
-from chatroute.providers.mapping import tool_to_openai
+from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, tool_to_openai
 
 __all__ = [
     "AnthropicChatClient",
@@ -85,23 +83,7 @@ THINKING_BUDGETS: Mapping[str, int] = {
 # OpenAI request fields that reach `ChatOptions.additional_properties` from the service's
 # wire format and have no Messages API counterpart: dropped rather than sent (the API
 # refuses unknown fields). `parallel_tool_calls` is translated (see `_tool_choice`).
-_OPENAI_ONLY = frozenset(
-    {
-        "parallel_tool_calls",
-        "logprobs",
-        "top_logprobs",
-        "logit_bias",
-        "metadata",
-        "store",
-        "service_tier",
-        "modalities",
-        "verbosity",
-        "prediction",
-        "prompt_cache_key",
-        "safety_identifier",
-        "n",
-    }
-)
+_OPENAI_ONLY = frozenset({*OPENAI_EXTRA_FIELDS, "n"})
 _RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "system", "max_tokens"})
 
 
@@ -410,20 +392,15 @@ def translate_anthropic_error(
                 error_message=clean(message),
                 **common,
             )
-        kind = kind_for_status(status, code or etype, message or exc.message)
         headers = exc.response.headers
-        text = clean(message or exc.message) or ""
-        label = etype or code
-        detail = f"HTTP {status}" + (f" ({label})" if label else "") + (f": {text}" if text else "")
-        return _STATUS_CLASSES[kind](
-            detail,
-            kind=kind,
-            status_code=status,
-            error_type=etype,
-            error_code=code,
-            error_message=clean(message),
-            retry_after=parse_retry_after(dict(headers)),
+        return status_error(
+            status,
+            (etype, code, message),
+            exc.message,
+            dict(headers),
+            label=etype or code,
             request_id=headers.get("request-id") or headers.get("x-request-id"),
+            secrets=secrets,
             **common,
         )
     if isinstance(exc, anthropic.APITimeoutError) or is_timeout(exc):

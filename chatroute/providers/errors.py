@@ -41,6 +41,7 @@ __all__ = [
     "kind_for_status",
     "parse_retry_after",
     "redact",
+    "status_error",
     "translate_openai_error",
 ]
 
@@ -459,6 +460,37 @@ def classify(exc: BaseException) -> FailureKind:
     return FailureKind.UNKNOWN
 
 
+def status_error(
+    status: int,
+    fields: tuple[str | None, str | None, str | None],
+    fallback: str | None,
+    headers: Mapping[str, str],
+    *,
+    label: str | None,
+    request_id: str | None,
+    secrets: tuple[str, ...] = (),
+    **common: Any,
+) -> ProviderStatusError:
+    """The typed error of an HTTP error answer: `fields` are the error body's (type, code,
+    message), `fallback` the SDK's message when the body has none, `label` what the
+    message names the error by. Classified by `kind_for_status`; Retry-After honoured."""
+    etype, code, message = fields
+    kind = kind_for_status(status, code or etype, message or fallback)
+    text = redact(message or fallback or "", secrets)
+    detail = f"HTTP {status}" + (f" ({label})" if label else "") + (f": {text}" if text else "")
+    return _STATUS_CLASSES[kind](
+        detail,
+        kind=kind,
+        status_code=status,
+        error_type=etype,
+        error_code=code,
+        error_message=redact(message, secrets) if message is not None else None,
+        retry_after=parse_retry_after(headers),
+        request_id=request_id,
+        **common,
+    )
+
+
 def translate_openai_error(
     exc: BaseException,
     *,
@@ -485,20 +517,15 @@ def translate_openai_error(
         etype, code, message = _error_fields(exc.body)
         if message is None and isinstance(exc.body, str):
             message = exc.body[:500]
-        status = exc.status_code
-        kind = kind_for_status(status, code or etype, message or exc.message)
         headers = dict(exc.response.headers) if exc.response is not None else {}
-        text = clean(message or exc.message) or ""
-        detail = f"HTTP {status}" + (f" ({code})" if code else "") + (f": {text}" if text else "")
-        return _STATUS_CLASSES[kind](
-            detail,
-            kind=kind,
-            status_code=status,
-            error_type=etype,
-            error_code=code,
-            error_message=clean(message),
-            retry_after=parse_retry_after(headers),
+        return status_error(
+            exc.status_code,
+            (etype, code, message),
+            exc.message,
+            headers,
+            label=code,
             request_id=headers.get("x-request-id"),
+            secrets=secrets,
             **common,
         )
     if is_timeout(exc):

@@ -22,6 +22,7 @@ from chatroute.chat.types import (
 )
 
 __all__ = [
+    "OPENAI_EXTRA_FIELDS",
     "build_request",
     "finish_reason_from_openai",
     "message_from_openai",
@@ -34,6 +35,23 @@ __all__ = [
 ]
 
 MaxTokensParam = Literal["max_tokens", "max_completion_tokens"]
+
+OPENAI_EXTRA_FIELDS: tuple[str, ...] = (
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "verbosity",
+    "prediction",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+"""Chat-completions request fields with no `ChatOptions` field of their own: the service
+carries them in `additional_properties`, which OpenAI-compatible providers send as is."""
 
 _FINISH = {
     "stop": ChatFinishReason.STOP,

@@ -206,47 +206,39 @@ def build_provider(
                 name,
                 settings.api_key_env,
             )
+    timeouts = settings.timeouts
+    # What both provider types take: the endpoint, the key, transport limits and the body.
+    common: dict[str, Any] = {
+        "base_url": base_url,
+        "api_key": api_key,
+        "name": name,
+        "connect_timeout": timeouts.connect,
+        "read_timeout": timeouts.read,
+        "write_timeout": timeouts.write,
+        "pool_timeout": timeouts.pool,
+        "max_connections": settings.max_connections,
+        "default_headers": dict(settings.headers) or None,
+        "extra_body": dict(settings.extra_body) or None,
+        "context_window": settings.context_window,
+    }
+    client: ChatClient
     if settings.type == "anthropic":
         from chatroute.providers.anthropic_messages import AnthropicChatClient
 
-        limits = settings.timeouts
-        anthropic_client = AnthropicChatClient(
-            model,
-            base_url=base_url,
-            api_key=api_key,
-            name=name,
-            connect_timeout=limits.connect,
-            read_timeout=limits.read,
-            write_timeout=limits.write,
-            pool_timeout=limits.pool,
-            max_connections=settings.max_connections,
-            default_headers=dict(settings.headers) or None,
-            default_max_tokens=settings.default_max_tokens,
-            extra_body=dict(settings.extra_body) or None,
-            context_window=settings.context_window,
-        )
-        # Per-attempt limits (attempt, first token, stall) come from the route chain's
+        # Its per-attempt limits (attempt, first token, stall) come from the route chain's
         # TimeoutChatClient, which wraps every provider without its own (_route_client).
-        return anthropic_client, model, api_key
-    timeouts = settings.timeouts
-    client = OpenAIChatClient(
-        model,
-        base_url=base_url,
-        api_key=api_key,
-        name=name,
-        connect_timeout=timeouts.connect,
-        read_timeout=timeouts.read,
-        write_timeout=timeouts.write,
-        pool_timeout=timeouts.pool,
-        request_timeout=timeouts.attempt,
-        first_token_timeout=timeouts.first_token,
-        stall_timeout=timeouts.stall,
-        max_connections=settings.max_connections,
-        default_headers=dict(settings.headers) or None,
-        max_tokens_param=settings.max_tokens_param,
-        extra_body=dict(settings.extra_body) or None,
-        context_window=settings.context_window,
-    )
+        client = AnthropicChatClient(
+            model, default_max_tokens=settings.default_max_tokens, **common
+        )
+    else:
+        client = OpenAIChatClient(
+            model,
+            request_timeout=timeouts.attempt,
+            first_token_timeout=timeouts.first_token,
+            stall_timeout=timeouts.stall,
+            max_tokens_param=settings.max_tokens_param,
+            **common,
+        )
     return client, model, api_key
 
 

@@ -133,28 +133,28 @@ class SharedBreakerState:
 
     async def _publish_open(self, provider: str, until: float) -> None:
         ttl_ms = int((until - time.time()) * 1000)
-        if ttl_ms <= 0:
-            return
-        message = {"provider": provider, "state": "open", "until": until, "from": self.replica}
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.key(provider), json.dumps({"until": until}), px=ttl_ms)
-                pipe.publish(self.channel, json.dumps(message))
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            logger.warning("could not share the opening of %r: %s", provider, exc)
-            return
-        self._count("sent")
+        if ttl_ms > 0:
+            message = {"provider": provider, "state": "open", "until": until}
+            await self._publish(message, json.dumps({"until": until}), ttl_ms)
 
     async def _publish_closed(self, provider: str) -> None:
-        message = {"provider": provider, "state": "closed", "from": self.replica}
+        await self._publish({"provider": provider, "state": "closed"}, None, 0)
+
+    async def _publish(self, message: dict[str, Any], value: str | None, ttl_ms: int) -> None:
+        """Set (or, with no value, delete) the provider's key and publish the event."""
+        provider = message["provider"]
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.delete(self.key(provider))
-                pipe.publish(self.channel, json.dumps(message))
+                if value is None:
+                    pipe.delete(self.key(provider))
+                else:
+                    pipe.set(self.key(provider), value, px=ttl_ms)
+                pipe.publish(self.channel, json.dumps({**message, "from": self.replica}))
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            logger.warning("could not share the closing of %r: %s", provider, exc)
+            logger.warning(
+                "could not share the %s breaker of %r: %s", message["state"], provider, exc
+            )
             return
         self._count("sent")
 

@@ -25,6 +25,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
+from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS
 from chatroute.server.errors import APIError
 
 __all__ = [
@@ -259,20 +260,7 @@ def query_text(messages: Sequence[ChatMessage]) -> str:
     return ""
 
 
-_PASSTHROUGH = (
-    "parallel_tool_calls",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "metadata",
-    "store",
-    "service_tier",
-    "modalities",
-    "verbosity",
-    "prediction",
-    "prompt_cache_key",
-    "safety_identifier",
-)
+_PASSTHROUGH = OPENAI_EXTRA_FIELDS
 
 
 def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:

@@ -149,17 +149,7 @@ class FakeAnthropic(FakeUpstream):
         body = json.dumps(answer).encode()
         if ok.malformed_at is not None:
             body = b'{"id": "msg_broken", "content": [ {"type": "te'
-        req.status = 200
-        head = self._head(200, "application/json", ok.headers, keep_alive, len(body))
-        if ok.cut_after is not None or ok.stall_after is not None:
-            await conn.send(head + body[: len(body) // 2])
-            if ok.stall_after is not None:
-                await conn.eof.wait()
-                return False
-            conn.close(rst=ok.rst)
-            return False
-        await conn.send(head + body)
-        return keep_alive
+        return await self._send_answer(conn, req, ok, body, keep_alive)
 
     async def _stream(self, conn: _Conn, req: Request, ok: Ok, keep_alive: bool) -> bool:
         await conn.sleep(ok.delay)

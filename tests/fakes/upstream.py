@@ -1015,6 +1015,12 @@ class FakeUpstream:
         body = json.dumps(answer).encode()
         if ok.malformed_at is not None:
             body = b'{"id": "chatcmpl-broken", "choices": [ {"index": 0, "mess'
+        return await self._send_answer(conn, req, ok, body, keep_alive)
+
+    async def _send_answer(
+        self, conn: _Conn, req: Request, ok: Ok, body: bytes, keep_alive: bool
+    ) -> bool:
+        """Send a whole (non-streamed) answer, or half of it for `cut_after` / `stall_after`."""
         req.status = 200
         head = self._head(200, "application/json", ok.headers, keep_alive, len(body))
         if ok.cut_after is not None or ok.stall_after is not None:
