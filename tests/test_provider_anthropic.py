@@ -140,6 +140,25 @@ def test_request_maps_system_tools_and_results() -> None:
         assert dropped not in body
 
 
+def test_signed_reasoning_goes_back_as_thinking_blocks() -> None:
+    turn = ChatMessage(
+        ChatRole.ASSISTANT,
+        contents=[
+            TextReasoningContent("first, the weather", protected_data="sig-1"),
+            TextReasoningContent("", protected_data="opaque"),
+            TextReasoningContent("unsigned: left out"),
+            FunctionCallContent("toolu_1", "weather", "{}"),
+        ],
+    )
+    result = ChatMessage(ChatRole.TOOL, contents=[FunctionResultContent("toolu_1", "rain")])
+    body = build_anthropic_request([*USER, turn, result], None, default_model="m")
+    assert body["messages"][1]["content"] == [
+        {"type": "thinking", "thinking": "first, the weather", "signature": "sig-1"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}},
+    ]
+
+
 def test_request_options_thinking_model_and_named_tool_choice() -> None:
     options = ChatOptions(
         model_id="claude-other",
@@ -189,7 +208,8 @@ def test_response_mapping_of_blocks_usage_and_stop_reasons() -> None:
     response = response_from_anthropic(message, provider="claude")
     contents = response.messages[0].contents
     assert contents == [
-        TextReasoningContent("let me see"),
+        TextReasoningContent("let me see", protected_data="s"),
+        TextReasoningContent("", protected_data="xx"),  # redacted: kept to send back
         TextContent("Calling."),
         FunctionCallContent("toolu_9", "f", '{"a":[1,2]}', 0),
     ]
@@ -234,7 +254,7 @@ async def test_answer_over_http_with_the_sdk(up: FakeAnthropic) -> None:
             [ChatMessage(ChatRole.SYSTEM, "Be brief."), *USER], ChatOptions(temperature=0.1)
         )
     assert response.text == "It is sunny."
-    assert response.messages[0].contents[0] == TextReasoningContent("check the sky")
+    assert response.messages[0].contents[0] == TextReasoningContent("check the sky", "sig")
     assert response.finish_reason is ChatFinishReason.LENGTH
     assert response.model_id == "claude-test" and response.response_id == "msg_fake_0"
     assert response.usage is not None and response.usage.input_token_count == 15

@@ -55,9 +55,15 @@ class TextContent(Content):
 
 @dataclass
 class TextReasoningContent(Content):
-    """Reasoning ("thinking") text that a model produced besides its answer."""
+    """Reasoning ("thinking") text that a model produced besides its answer.
+
+    `protected_data` is what the provider needs to accept the reasoning back in a later
+    turn (Anthropic's thinking signature, or the data of a redacted thinking block, whose
+    `text` is then empty); None when there is none.
+    """
 
     text: str
+    protected_data: str | None = None
 
 
 @dataclass

@@ -135,8 +135,19 @@ def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
                     "content": _result_text(content.result),
                 }
             )
-        # Reasoning from earlier turns is not sent back: the API accepts a thinking block
-        # only with the signature it issued, which chatroute's types do not carry.
+        elif isinstance(content, TextReasoningContent) and content.protected_data:
+            # Earlier thinking goes back only with the signature the API issued for it
+            # (thinking with tool use needs it); reasoning without one is left out.
+            if content.text:
+                blocks.append(
+                    {
+                        "type": "thinking",
+                        "thinking": content.text,
+                        "signature": content.protected_data,
+                    }
+                )
+            else:
+                blocks.append({"type": "redacted_thinking", "data": content.protected_data})
     return blocks
 
 
@@ -322,11 +333,17 @@ def _content_of(block: Any, tool_index: int) -> Content | None:
         return TextContent(text) if isinstance(text, str) and text else None
     if kind == "thinking":
         text = _get(block, "thinking")
-        return TextReasoningContent(text) if isinstance(text, str) and text else None
+        signature = _get(block, "signature")
+        if not isinstance(text, str) or not text:
+            return None
+        return TextReasoningContent(text, signature if isinstance(signature, str) else None)
+    if kind == "redacted_thinking":
+        data = _get(block, "data")
+        return TextReasoningContent("", data) if isinstance(data, str) and data else None
     if kind == "tool_use":
         arguments = json.dumps(_get(block, "input") or {}, separators=(",", ":"))
         return FunctionCallContent(_get(block, "id"), _get(block, "name"), arguments, tool_index)
-    return None  # redacted thinking, server tool blocks: nothing to show the caller
+    return None  # server tool blocks and the like: nothing to show the caller
 
 
 def response_from_anthropic(message: Any, *, provider: str | None = None) -> ChatResponse:
@@ -437,6 +454,11 @@ class AnthropicChatClient(ChatClient):
     retrying and failing over belong to the failover policy. Failures are typed
     `ProviderError`s classified like the OpenAI provider's (429 with its Retry-After, 529
     overloaded as a server error, "prompt is too long" as a context-length error).
+
+    Thinking comes back as `TextReasoningContent` whose `protected_data` holds the
+    block's signature (a redacted block: empty text, its data), and such reasoning is
+    sent back as thinking blocks, as tool use with extended thinking requires; reasoning
+    without it is left out of requests. Streamed reasoning carries no signature.
 
     Streams follow the commit rule: nothing is yielded before the first content-bearing
     event (text, thinking or a tool call); `message_start` and empty block starts are
@@ -664,7 +686,13 @@ class _StreamState:
                     _get(block, "id"), _get(block, "name"), "", self.tool_index[index]
                 )
                 return self._update([call])
+            # A block's opening text, if any (usually empty); redacted thinking is not
+            # output, and signatures are not streamed on (see the class docstring).
+            if _get(block, "type") not in ("text", "thinking"):
+                return None
             started = _content_of(block, 0)
+            if isinstance(started, TextReasoningContent):
+                started.protected_data = None
             return self._update([started]) if started is not None else None
         if kind == "content_block_delta":
             delta = _get(event, "delta")
