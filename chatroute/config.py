@@ -266,7 +266,10 @@ class ProviderConfig(_Strict):
     `type`: `openai` (any OpenAI-compatible chat-completions API; `base_url` required) or
     `anthropic` (Anthropic's Messages API through the `anthropic` extra; `base_url`
     defaults to Anthropic's). `default_max_tokens` is the output limit sent to an
-    `anthropic` provider when a request sets none (its API requires one).
+    `anthropic` provider when a request sets none (its API requires one). `query` holds
+    parameters every call carries in its URL (Azure OpenAI's `api-version`), and
+    `api_key_header: api-key` sends the key as Azure's `api-key` header rather than
+    `Authorization: Bearer` (openai providers).
     """
 
     type: Literal["openai", "anthropic"] = "openai"
@@ -281,7 +284,17 @@ class ProviderConfig(_Strict):
     default_max_tokens: int = Field(default=4096, ge=1)
     context_window: int | None = Field(default=None, ge=1)
     headers: dict[str, str] = Field(default_factory=dict)
+    query: dict[str, str] = Field(default_factory=dict)
+    api_key_header: Literal["authorization", "api-key"] = "authorization"
     extra_body: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("query")
+    @classmethod
+    def _no_secret_query(cls, query: dict[str, str]) -> dict[str, str]:
+        for key in query:
+            if key.lower().replace("-", "_") in {"api_key", "key", "token", "access_token"}:
+                raise ValueError(f"query parameter {key!r} carries a secret: use api_key_env")
+        return query
 
     @field_validator("headers")
     @classmethod
@@ -430,6 +443,13 @@ class ChatrouteConfig(_Strict):
                         f"providers.{name}.type",
                         "anthropic providers need the anthropic SDK: "
                         'pip install "chatroute[anthropic]"',
+                    )
+                )
+            if provider.type == "anthropic" and provider.api_key_header != "authorization":
+                problems.append(
+                    (
+                        f"providers.{name}.api_key_header",
+                        "applies to openai providers only (the anthropic SDK sends the key)",
                     )
                 )
             if provider.type == "openai" and provider.resolved_base_url(env) is None:

@@ -19,7 +19,7 @@ from chatroute.chat import (
     TextContent,
     TextReasoningContent,
 )
-from chatroute.providers import FirstTokenTimeoutError, OpenAIChatClient
+from chatroute.providers import FirstTokenTimeoutError, OpenAIChatClient, ProviderAuthError
 from chatroute.providers.mapping import (
     build_request,
     finish_reason_from_openai,
@@ -28,7 +28,7 @@ from chatroute.providers.mapping import (
     tool_to_openai,
     usage_from_openai,
 )
-from tests.fakes import FakeUpstream, Hang, NoDone, Ok, Stall, ToolCall
+from tests.fakes import FakeUpstream, Hang, NoDone, Ok, Stall, Status, ToolCall
 
 HI = [ChatMessage(ChatRole.USER, "hi")]
 
@@ -327,6 +327,33 @@ async def test_headers_key_and_no_key(up: FakeUpstream, monkeypatch: pytest.Monk
     assert first.headers["x-team"] == "blue"
     assert "authorization" not in second.headers
     assert all("sk-from-the-environment" not in v for v in second.headers.values())
+
+
+async def test_azure_style_key_header_and_api_version(up: FakeUpstream) -> None:
+    secret = "azure-secret-0123456789abcdef"
+    azure = OpenAIChatClient(
+        "gpt-4o",
+        base_url=f"{up.url}/openai/deployments/gpt-4o",
+        api_key=secret,
+        api_key_header="api-key",
+        default_query={"api-version": "2024-10-21"},
+    )
+    up.script(Ok("plain"), Ok("streamed"), Status(401, message=f"bad key {secret}"))
+    try:
+        assert (await azure.get_response(HI)).text == "plain"
+        assert "".join(u.text for u in await collect(azure)) == "streamed"
+        with pytest.raises(ProviderAuthError) as info:
+            await azure.get_response(HI)
+    finally:
+        await azure.aclose()
+    for request in up.requests:
+        assert request.path == "/openai/deployments/gpt-4o/chat/completions"
+        assert request.query == "api-version=2024-10-21"
+        assert request.headers["api-key"] == secret
+        assert "authorization" not in request.headers
+    assert secret not in str(info.value)
+    with pytest.raises(ValueError, match="api_key_header"):
+        OpenAIChatClient("m", base_url=up.base_url, api_key_header="x-key")  # type: ignore[arg-type]
 
 
 async def test_connections_are_pooled(up: FakeUpstream, client: OpenAIChatClient) -> None:

@@ -491,6 +491,7 @@ class AnthropicChatClient(ChatClient):
         extra_body: Mapping[str, Any] | None = None,
         context_window: int | None = None,
         http_client: Any = None,
+        default_query: Mapping[str, str] | None = None,
     ) -> None:
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("model must be a non-empty string or None")
@@ -536,6 +537,7 @@ class AnthropicChatClient(ChatClient):
             max_retries=0,
             timeout=timeout,
             default_headers=headers or None,
+            default_query=dict(default_query) if default_query else None,
             http_client=http_client,
         )
 

@@ -12,7 +12,7 @@ import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import anyio
 import openai
@@ -297,6 +297,10 @@ class OpenAIChatClient(ChatClient):
     through as extra body fields. Responses name the model the upstream reports in
     `model_id` and this client's `name` in `additional_properties["provider"]`.
 
+    Keys go as `Authorization: Bearer <key>`, or as Azure OpenAI's `api-key: <key>` with
+    `api_key_header="api-key"`; `default_query` parameters (Azure's `api-version`) go on
+    every call.
+
     TLS: `verify` is True (the system CA bundle, loaded once per process), False, a CA
     bundle path or an `ssl.SSLContext`. The client owns the SDK client and its pooled HTTP
     clients (its connection pool and the SDK's httpx client) unless `http_client` is given
@@ -339,7 +343,13 @@ class OpenAIChatClient(ChatClient):
         context_window: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
         http_client: http.AsyncClient | None = None,
+        api_key_header: Literal["authorization", "api-key"] = "authorization",
+        default_query: Mapping[str, str] | None = None,
     ) -> None:
+        if api_key_header not in ("authorization", "api-key"):
+            raise ValueError(
+                f"api_key_header must be 'authorization' or 'api-key', got {api_key_header!r}"
+            )
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("model must be a non-empty string or None")
         if base_url is not None and not isinstance(base_url, str):
@@ -405,6 +415,10 @@ class OpenAIChatClient(ChatClient):
         if not api_key:
             # No key: send no Authorization header at all (local servers, vLLM, Ollama).
             self._extra_headers["Authorization"] = openai.omit
+        elif api_key_header == "api-key":
+            # Azure OpenAI's key header, instead of `Authorization: Bearer`.
+            self._extra_headers["Authorization"] = openai.omit
+            self._extra_headers["api-key"] = api_key
         self._client = openai.AsyncOpenAI(
             api_key=api_key or "unused",
             base_url=self.base_url,
@@ -412,9 +426,12 @@ class OpenAIChatClient(ChatClient):
             timeout=timeout,
             default_headers=dict(default_headers) if default_headers else None,
             http_client=self._http,
+            default_query=dict(default_query) if default_query else None,
         )
         base = self._client.base_url
         self._url = base.copy_with(raw_path=base.raw_path + b"chat/completions")
+        if default_query:  # Azure's api-version, say: on every call
+            self._url = self._url.copy_merge_params(dict(default_query))
         self._extensions: dict[str, Any] = {"timeout": timeout.as_dict()}
         self._headers: http.Headers | None = None
         self._raw_headers: tuple[tuple[bytes, bytes], ...] | None = None

@@ -220,6 +220,7 @@ def build_provider(
         "default_headers": dict(settings.headers) or None,
         "extra_body": dict(settings.extra_body) or None,
         "context_window": settings.context_window,
+        "default_query": dict(settings.query) or None,
     }
     client: ChatClient
     if settings.type == "anthropic":
@@ -237,6 +238,7 @@ def build_provider(
             first_token_timeout=timeouts.first_token,
             stall_timeout=timeouts.stall,
             max_tokens_param=settings.max_tokens_param,
+            api_key_header=settings.api_key_header,
             **common,
         )
     return client, model, api_key

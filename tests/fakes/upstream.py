@@ -382,6 +382,8 @@ class Request:
     status: int | None = None
     chunks_sent: int = 0
     finished_at: float | None = None
+    query: str = ""
+    """The raw query string of the request target ('' without one)."""
 
     @property
     def stream(self) -> bool:
@@ -841,7 +843,7 @@ class FakeUpstream:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = None
-        path = target.split("?", 1)[0]
+        path, _, query = target.partition("?")
         is_chat = method == "POST" and path.rstrip("/").endswith(self.chat_path)
         with self._lock:
             req = Request(
@@ -853,6 +855,7 @@ class FakeUpstream:
                 json=parsed,
                 arrived_at=time.monotonic(),
                 connection=conn.record,
+                query=query,
             )
             self._all.append(req)
             if is_chat:
