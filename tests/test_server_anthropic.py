@@ -53,6 +53,7 @@ def _config(gpt: FakeUpstream, claude: FakeAnthropic) -> dict[str, Any]:
                 "targets": ["gpt", "claude"],
             },
             "claude": {"targets": ["claude"], "options": {"temperature": 0.3}},
+            "quick": {"targets": ["claude", "gpt"], "timeouts": {"first_token": 0.5}},
         },
     }
 
@@ -158,6 +159,19 @@ def test_fails_over_from_openai_to_anthropic(stack: Stack) -> None:
     assert raw.headers["x-chatroute-attempts"] == "2"
     assert raw.parse().model == "claude-fake"
     assert stack.gpt.attempts == 1 and stack.claude.attempts == 1
+
+
+def test_a_slow_first_token_from_anthropic_fails_over(stack: Stack) -> None:
+    stack.claude.script(Ok("too late", first_token_delay=3.0, hold_open=True))
+    stack.gpt.script(Ok("in time"))
+    stream = stack.client.chat.completions.with_raw_response.create(
+        model="quick", messages=[{"role": "user", "content": "x"}], stream=True
+    )
+    assert stream.headers["x-chatroute-provider"] == "gpt"
+    assert stream.headers["x-chatroute-attempts"] == "2"
+    text = "".join(c.choices[0].delta.content or "" for c in stream.parse() if c.choices)
+    assert text == "in time"
+    stack.claude.wait_for_disconnect(0, timeout=5)  # the slow stream was closed, not left open
 
 
 def test_anthropic_overloaded_mid_stream_raises_in_the_sdk(stack: Stack) -> None:
