@@ -236,3 +236,82 @@ def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_pro
     assert seen["server_header"] is False and seen["access_log"] is False
     assert seen["proxy_headers"] is honoured
     assert seen["forwarded_allow_ips"] == proxies
+
+
+# ---------------------------------------------------------------------------- check
+
+
+def _write(tmp_path: Path, config: dict[str, Any]) -> Path:
+    path = tmp_path / "check.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def test_check_shows_providers_routes_and_keys_without_loading_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_model(config: Any) -> Any:
+        raise AssertionError("check must not load the embedding model")
+
+    monkeypatch.setattr("chatroute.server.engine.build_embedder", no_model)
+    monkeypatch.setenv("SET_KEY", "sk-never-printed-0123456789")
+    monkeypatch.delenv("UNSET_KEY", raising=False)
+    config = {
+        **CONFIG,
+        "providers": {
+            "with_key": {
+                "base_url": "http://127.0.0.1:9/v1",
+                "model": "m",
+                "api_key_env": "SET_KEY",
+            },
+            "missing": {
+                "base_url": "http://127.0.0.1:9/v1",
+                "model": "m",
+                "api_key_env": "UNSET_KEY",
+            },
+        },
+        "routes": {
+            **CONFIG["routes"],
+            "code": {**CONFIG["routes"]["code"], "targets": ["with_key", "missing"]},
+            "math": {**CONFIG["routes"]["math"], "targets": ["missing"]},
+            "general": {**CONFIG["routes"]["general"], "targets": ["with_key"]},
+        },
+    }
+    result = run("check", "--config", _write(tmp_path, config))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "from SET_KEY" in out and "UNSET_KEY not set" in out
+    assert "sk-never-printed" not in out
+    assert "with_key → missing" in out and "general (default)" in out
+    assert "config ok" in out
+
+
+def test_check_probe_lists_each_providers_models_and_fails_on_an_unreachable_one(
+    tmp_path: Path,
+) -> None:
+    from tests.fakes import FakeUpstream
+    from tests.fakes.anthropic import FakeAnthropic
+
+    with (
+        FakeUpstream(models=["m-served"]) as openai_up,
+        FakeAnthropic(models=["claude-x"]) as claude_up,
+    ):
+        providers = {
+            "served": {"base_url": openai_up.base_url, "model": "m-served"},
+            "unlisted": {"base_url": openai_up.base_url, "model": "m-other"},
+            "claude": {"type": "anthropic", "base_url": claude_up.url, "model": "claude-x"},
+        }
+        routes = {"general": {"utterances": ["hi"], "targets": list(providers)}}
+        config = {"routing": {"default_route": "general"}, "providers": providers, "routes": routes}
+        path = _write(tmp_path, config)
+        good = run("check", "--config", path, "--probe")
+        providers["down"] = {"base_url": "http://127.0.0.1:9/v1", "model": "m"}
+        routes["general"]["targets"].append("down")
+        bad = run("check", "--config", _write(tmp_path, config), "--probe", "--timeout", "5")
+        assert openai_up.attempts == 0 and claude_up.attempts == 0  # no chat call was made
+    assert good.exit_code == 0, good.output
+    assert "probe served: ok" in good.output and "lists m-served" in good.output
+    assert "probe unlisted: ok" in good.output and "does not list m-other" in good.output
+    assert "probe claude: ok" in good.output and "lists claude-x" in good.output
+    assert bad.exit_code == 1
+    assert "probe down: failed" in bad.output and "connection failed" in bad.output

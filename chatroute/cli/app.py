@@ -1,4 +1,4 @@
-"""The `chatroute` command line: serve, route, classify, fit and index build."""
+"""The `chatroute` command line: serve, check, route, classify, fit and index build."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -256,6 +256,115 @@ def index_build(
 
     index = _run_engine(settings, work)
     note(f"profile index: {len(index)} utterances, dimension {index.dimension}, saved in {output}")
+
+
+@app.command()
+def check(
+    config: ConfigOption,
+    probe: Annotated[
+        bool,
+        typer.Option(
+            "--probe",
+            help="Also call each provider's model listing (GET /models): reachable, key "
+            "accepted, model served.",
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds each probe may take.", min=0.1, max=120)
+    ] = 10.0,
+) -> None:
+    """Validate a config and show what it sets up; with --probe, check every provider.
+
+    Exits 2 for a config error and 1 when a probe fails; no model is loaded and no chat
+    request is sent (nothing is billed).
+    """
+    import os
+
+    from rich.table import Table
+
+    settings = _config(config)
+    env = os.environ
+    console = Console(soft_wrap=True, highlight=False)
+    providers = Table(title="providers", title_justify="left")
+    for column in ("name", "type", "endpoint", "model", "key"):
+        providers.add_column(column, overflow="fold")
+    for name, provider in settings.providers.items():
+        if provider.api_key_env is None:
+            key = "none"
+        elif env.get(provider.api_key_env):
+            key = f"from {provider.api_key_env}"
+        else:
+            key = f"[yellow]{provider.api_key_env} not set[/]"
+        endpoint = provider.resolved_base_url(env) or "(Anthropic's)"
+        providers.add_row(
+            escape(name),
+            provider.type,
+            escape(endpoint),
+            escape(provider.resolved_model(env) or ""),
+            key,
+        )
+    routes = Table(title="routes", title_justify="left")
+    for column in ("route", "targets, in order", "utterances", "options"):
+        routes.add_column(column, overflow="fold")
+    default = settings.routing.default_route
+    for name, spec in settings.routes.items():
+        options = ", ".join(
+            f"{k}={v}" for k, v in spec.options.model_dump(exclude_none=True).items()
+        )
+        label = f"{name} (default)" if name == default else name
+        routes.add_row(
+            escape(label),
+            escape(" → ".join(spec.targets)),
+            str(len(spec.utterances)),
+            escape(options),
+        )
+    console.print(providers)
+    console.print(routes)
+    shared = settings.shared_state.redis_url_env
+    if shared is None:
+        console.print("breakers: kept by each replica (no shared_state)")
+    elif env.get(shared):
+        console.print(f"breakers: shared through Redis ({shared} is set)")
+    else:
+        console.print(f"breakers: kept by each replica ([yellow]{shared} not set[/])")
+    console.print(f"config ok: {config}")
+    if probe and not asyncio.run(_probe(settings, env, timeout, console)):
+        raise typer.Exit(1)
+
+
+async def _probe(
+    settings: ChatrouteConfig, env: Mapping[str, str], limit: float, console: Console
+) -> bool:
+    """List each provider's models; report and return whether every provider answered."""
+    import time
+
+    from chatroute.server.engine import build_provider
+
+    async def one(name: str) -> tuple[str, bool, str]:
+        client, model, _ = build_provider(name, settings.providers[name], env)
+        started = time.perf_counter()
+        try:
+            lister = getattr(client, "list_models", None)
+            if lister is None:
+                return name, True, "no model listing to probe"
+            async with asyncio.timeout(limit):
+                models = await lister()
+        except TimeoutError:
+            return name, False, f"no answer within {limit:g} s"
+        except Exception as exc:
+            return name, False, str(exc)
+        finally:
+            await client.aclose()
+        took = (time.perf_counter() - started) * 1000
+        listed = "lists" if model in models else "[yellow]does not list[/]"
+        return name, True, f"ok in {took:.0f} ms, {len(models)} models; {listed} {escape(model)}"
+
+    results = await asyncio.gather(*(one(name) for name in settings.providers))
+    for name, ok, detail in results:
+        mark = "[green]ok[/]" if ok else "[bold red]failed[/]"
+        shown = detail if ok else escape(detail)
+        console.print(f"probe {escape(name)}: {mark} - {shown}")
+    return all(ok for _, ok, _ in results)
 
 
 def main() -> None:

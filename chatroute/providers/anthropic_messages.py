@@ -575,6 +575,17 @@ class AnthropicChatClient(ChatClient):
         except ValueError as exc:
             raise ProviderBadRequestError(str(exc), provider=self.name) from exc
 
+    async def list_models(self) -> list[str]:
+        """The model ids the API lists (`GET /v1/models`), to check a deployment: it is
+        reachable, it takes the key, it serves the model. Failures are `ProviderError`s."""
+        if self._closed:
+            raise RuntimeError(f"AnthropicChatClient {self.name!r} is closed")
+        try:
+            page = await self._client.models.list()
+            return [model.id async for model in page]
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
     def _translate(self, exc: BaseException, **kw: Any) -> BaseException:
         return translate_anthropic_error(exc, provider=self.name, secrets=self._secrets, **kw)
 

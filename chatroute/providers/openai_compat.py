@@ -676,6 +676,18 @@ class OpenAIChatClient(ChatClient):
             after_output=after_output,
         )
 
+    async def list_models(self) -> list[str]:
+        """The model ids the endpoint lists (`GET /models`), to check a deployment: it is
+        reachable, it takes the key, it serves the model. Failures are `ProviderError`s."""
+        self._check_open()
+        try:
+            page = await self._client.models.list(extra_headers=self._extra_headers or None)
+            return [model.id async for model in page]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
     # ------------------------------------------------------------------ non-streaming
 
     async def _fetch(self, body: dict[str, Any]) -> bytes:

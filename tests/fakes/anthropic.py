@@ -99,6 +99,15 @@ class FakeAnthropic(FakeUpstream):
         )
         return keep_alive
 
+    def _models_listing(self) -> dict[str, Any]:
+        data = [
+            {"type": "model", "id": m, "display_name": m, "created_at": "2026-01-01T00:00:00Z"}
+            for m in self.models
+        ]
+        first = data[0]["id"] if data else None
+        last = data[-1]["id"] if data else None
+        return {"data": data, "has_more": False, "first_id": first, "last_id": last}
+
     @staticmethod
     def _stop(ok: Ok) -> str | None:
         if ok.finish_reason is None:

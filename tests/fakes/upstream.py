@@ -873,21 +873,23 @@ class FakeUpstream:
                 req.behaviour = behaviour
                 return await self._chat_answer(conn, req, behaviour, keep_alive)
             if method == "GET" and path.rstrip("/").endswith("/models"):
-                listing = {
-                    "object": "list",
-                    "data": [
-                        {"id": m, "object": "model", "created": 0, "owned_by": "fake"}
-                        for m in self.models
-                    ],
-                }
                 req.status = 200
-                await self._send_json(conn, 200, listing, {}, keep_alive)
+                await self._send_json(conn, 200, self._models_listing(), {}, keep_alive)
                 return keep_alive
             missing = Status(404, message=f"Unknown path {path}", code="not_found")
             return await self._status(conn, req, missing, keep_alive)
         finally:
             req.finished_at = time.monotonic()
             self._notify()
+
+    def _models_listing(self) -> dict[str, Any]:
+        """The answer to `GET /v1/models`."""
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models
+            ],
+        }
 
     async def _send_json(
         self,
