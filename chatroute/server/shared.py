@@ -185,6 +185,10 @@ class SharedBreakerState:
                     logger.warning("shared breaker state unavailable (Redis): %s", exc)
                 self._set_connected(False)
                 self._subscribed.set()  # start() stops waiting: Redis is down
+            except Exception:  # a bug, or an answer redis-py could not read: keep going
+                logger.exception("shared breaker state failed; reconnecting")
+                self._set_connected(False)
+                self._subscribed.set()
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
