@@ -232,15 +232,15 @@ class FakeAnthropic(FakeUpstream):
                     await conn.sleep(ok.chunk_delay)
                 if ok.error_at is not None and sent >= ok.error_at:
                     return await self._error_event(conn, ok, keep_alive)
-                if ok.malformed_at == sent:
+                sent += 1
+                req.chunks_sent += 1  # counted as it is written (see `Request.chunks_sent`)
+                if ok.malformed_at == sent - 1:
                     await conn.send(
                         _chunked(b'event: content_block_delta\ndata: {"type": "con\n\n')
                     )
                 else:
                     event = {"type": "content_block_delta", "index": index, "delta": delta}
                     await conn.send(_chunked(_event("content_block_delta", event)))
-                sent += 1
-                req.chunks_sent += 1
             for delta in closing:
                 event = {"type": "content_block_delta", "index": index, "delta": delta}
                 await conn.send(_chunked(_event("content_block_delta", event)))

@@ -381,6 +381,9 @@ class Request:
     behaviour: Behaviour | None = None
     status: int | None = None
     chunks_sent: int = 0
+    """Stream chunks written, each counted just before its write: a client that has read
+    a chunk always finds it counted (a count made after the write can lag behind a fast
+    reader on another thread)."""
     finished_at: float | None = None
     query: str = ""
     """The raw query string of the request target ('' without one)."""
@@ -958,8 +961,8 @@ class FakeUpstream:
             if i > 0:
                 await conn.sleep(ev.chunk_delay)
             data = item.encode() if isinstance(item, str) else item
+            req.chunks_sent += 1  # counted as it is written: see `Request.chunks_sent`
             await conn.send(_chunked(data))
-            req.chunks_sent += 1
         if ev.end == "cut":
             conn.close()
             return False
@@ -1103,11 +1106,11 @@ class FakeUpstream:
                 await conn.send(_chunked(_sse({"error": dict(ok.error or {})})))
                 await conn.send(b"0\r\n\r\n")
                 return keep_alive
+            req.chunks_sent += 1  # counted as it is written: see `Request.chunks_sent`
             if ok.malformed_at == i:
                 await conn.send(_chunked(b'data: {"id": "chatcmpl-broken", "choices": [{\n\n'))
             else:
                 await conn.send(_chunked(_sse(chunk(delta))))
-            req.chunks_sent += 1
         n = len(deltas)
         if ok.cut_after is not None and ok.cut_after >= n:
             conn.close(rst=ok.rst)
