@@ -37,19 +37,15 @@ from chatroute.providers._http import http
 from chatroute.providers.errors import (
     MalformedResponseError,
     ProviderBadRequestError,
-    ProviderConnectionError,
     ProviderError,
-    ProviderTimeoutError,
-    StreamInterruptedError,
-    StreamStallTimeoutError,
     TruncatedStreamError,
     UpstreamStreamError,
     _error_fields,
-    is_timeout,
     redact,
     status_error,
+    translate_openai_error,
 )
-from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, tool_to_openai
+from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, _result_text, tool_to_openai
 
 __all__ = [
     "AnthropicChatClient",
@@ -88,15 +84,6 @@ _RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "system", "max_t
 
 
 # ---------------------------------------------------------------------------- requests
-
-
-def _result_text(result: Any) -> str:
-    if isinstance(result, str):
-        return result
-    try:
-        return json.dumps(result)
-    except (TypeError, ValueError):
-        return str(result)
 
 
 def _tool_input(call: FunctionCallContent) -> Any:
@@ -306,14 +293,13 @@ def finish_reason_from_anthropic(reason: str | None) -> ChatFinishReason | str |
     return _FINISH.get(reason, reason)
 
 
-def usage_from_anthropic(usage: Any, input_tokens: int | None = None) -> UsageDetails | None:
+def usage_from_anthropic(usage: Any) -> UsageDetails | None:
     """Token counts: input counts cache reads and writes too (as OpenAI's prompt tokens do),
-    which are also kept apart in `additional_counts`. `input_tokens` stands in when the
-    usage has none (a stream's closing usage)."""
+    which are also kept apart in `additional_counts`."""
     if usage is None:
         return None
     base = _get(usage, "input_tokens")
-    base = base if isinstance(base, int) else input_tokens
+    base = base if isinstance(base, int) else None
     extra: dict[str, int] = {}
     for key in ("cache_creation_input_tokens", "cache_read_input_tokens"):
         value = _get(usage, key)
@@ -371,10 +357,6 @@ def response_from_anthropic(message: Any, *, provider: str | None = None) -> Cha
 # ---------------------------------------------------------------------------- errors
 
 
-_TRANSPORT = (anthropic.APIConnectionError, http.TransportError, ConnectionError)
-_TIMEOUTS = (anthropic.APITimeoutError, http.TimeoutException, TimeoutError)
-
-
 def translate_anthropic_error(
     exc: BaseException,
     *,
@@ -420,24 +402,18 @@ def translate_anthropic_error(
             secrets=secrets,
             **common,
         )
-    if isinstance(exc, anthropic.APITimeoutError) or is_timeout(exc):
-        if in_stream:
-            return StreamStallTimeoutError("the stream timed out while reading", **common)
-        return ProviderTimeoutError("the request timed out", **common)
-    if isinstance(exc, _TRANSPORT + _TIMEOUTS):
-        cause = exc.__cause__ or exc
-        reason = f"{type(cause).__name__}: {clean(str(cause))}"
-        if in_stream:
-            return StreamInterruptedError(
-                f"the connection broke while reading the stream ({reason})", **common
-            )
-        return ProviderConnectionError(f"connection failed ({reason})", **common)
-    if isinstance(exc, ValueError | KeyError | TypeError | AttributeError | anthropic.APIError):
+    if isinstance(exc, anthropic.APIConnectionError):  # its timeouts included
+        # The SDK raises these from the transport's errors (the same httpx flavour as the
+        # openai SDK's), which are classified as the OpenAI provider's are.
+        exc = exc.__cause__ or exc
+    elif isinstance(exc, anthropic.APIError | ValueError | KeyError | TypeError | AttributeError):
         return MalformedResponseError(
             f"the upstream sent an answer that is not a Messages API one ({clean(str(exc))})",
             **common,
         )
-    return ProviderError(f"unexpected {type(exc).__name__}: {clean(str(exc))}", **common)
+    return translate_openai_error(
+        exc, provider=provider, secrets=secrets, in_stream=in_stream, after_output=after_output
+    )
 
 
 # ---------------------------------------------------------------------------- the client
@@ -663,7 +639,6 @@ class _StreamState:
         self.provider = provider
         self.response_id: str | None = None
         self.model: str | None = None
-        self.input_tokens: int | None = None
         self.start_usage: Any = None
         self.finish: ChatFinishReason | str | None = None
         self.stopped = False
@@ -687,8 +662,6 @@ class _StreamState:
             self.response_id = _get(message, "id")
             self.model = _get(message, "model")
             self.start_usage = _get(message, "usage")
-            tokens = _get(self.start_usage, "input_tokens") if self.start_usage else None
-            self.input_tokens = tokens if isinstance(tokens, int) else None
             return None
         if kind == "content_block_start":
             index = _get(event, "index")

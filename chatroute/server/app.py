@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import pydantic
@@ -52,6 +52,9 @@ from chatroute.server.wire import (
 )
 
 __all__ = ["ChatrouteApp", "Service", "create_app"]
+
+if TYPE_CHECKING:
+    from chatroute.server.shared import SharedBreakerState
 
 logger = logging.getLogger("chatroute.server")
 
@@ -598,7 +601,7 @@ def create_app(
         detach = _attach_embedder_metrics(engine, metrics)
         unwatch = metrics.watch_breakers(engine.breakers)
         thresholds = gc.get_threshold()
-        shared: Any = None
+        shared: SharedBreakerState | None = None
         try:
             redis_url = config.shared_state.redis_url(env)
             if redis_url is not None:

@@ -260,9 +260,6 @@ def query_text(messages: Sequence[ChatMessage]) -> str:
     return ""
 
 
-_PASSTHROUGH = OPENAI_EXTRA_FIELDS
-
-
 def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
     """The chat options a request asks for; the `model` field is left to the route."""
     options = ChatOptions(
@@ -283,10 +280,10 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
     if request.reasoning_effort is not None:
         options.reasoning = {"effort": request.reasoning_effort}
     # request.model_fields_set, without the property; none given: nothing to read
-    if not request.__pydantic_fields_set__.isdisjoint(_PASSTHROUGH):
+    if not request.__pydantic_fields_set__.isdisjoint(OPENAI_EXTRA_FIELDS):
         extra = {
             name: getattr(request, name)
-            for name in _PASSTHROUGH
+            for name in OPENAI_EXTRA_FIELDS
             if getattr(request, name) is not None
         }
         if extra:
