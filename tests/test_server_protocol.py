@@ -1,4 +1,4 @@
-"""The service's HTTP protocol: a response head leaves in the same write as its body."""
+"""The service's HTTP/1.1 protocol: what a caller sees on the wire, and what the app sees."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from uvicorn.server import ServerState
 
 from chatroute.server.protocol import (
     CONNECTION_EXTENSION,
-    CoalescingTransport,
     HttpProtocol,
     connection_of,
 )
@@ -32,6 +31,7 @@ class RecordingTransport:
         self.closed = False
         self.aborted = False
         self.eof = False
+        self.reading = True
 
     def write(self, data: bytes) -> None:
         (self.late if self.closed else self.writes).append(bytes(data))
@@ -53,83 +53,10 @@ class RecordingTransport:
         return {"peername": ("127.0.0.1", 5555), "sockname": ("127.0.0.1", 8080)}.get(name, default)
 
     def pause_reading(self) -> None:
-        pass
+        self.reading = False
 
     def resume_reading(self) -> None:
-        pass
-
-
-async def test_head_and_body_written_in_the_same_turn_leave_in_one_write() -> None:
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    transport.write(HEAD)
-    assert raw.writes == []
-    transport.write(b"hello")
-    assert raw.writes == [HEAD + b"hello"]
-    await asyncio.sleep(0)  # the cancelled fallback writes nothing more
-    assert raw.writes == [HEAD + b"hello"]
-
-
-async def test_a_head_without_a_body_goes_out_on_the_next_turn() -> None:
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    head = b"HTTP/1.1 204 No Content\r\n\r\n"
-    transport.write(head)
-    assert raw.writes == []
-    await asyncio.sleep(0)
-    assert raw.writes == [head]
-    transport.write(b"next")  # not held: goes straight through, after the head
-    assert raw.writes == [head, b"next"]
-
-
-async def test_interim_answers_and_body_chunks_are_never_held() -> None:
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    assert raw.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
-    transport.write(b"5\r\nhello\r\n")
-    transport.writelines([b"0\r\n", b"\r\n"])
-    assert raw.writes[1:] == [b"5\r\nhello\r\n", b"0\r\n\r\n"]
-
-
-async def test_close_writes_a_held_head_first_and_abort_drops_it() -> None:
-    loop = asyncio.get_running_loop()
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, loop)  # type: ignore[arg-type]
-    transport.write(HEAD)
-    transport.close()
-    assert raw.writes == [HEAD] and raw.closed
-    await asyncio.sleep(0)
-    assert raw.writes == [HEAD] and raw.late == []  # the fallback does not write after close
-
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, loop)  # type: ignore[arg-type]
-    transport.write(HEAD)
-    transport.abort()
-    await asyncio.sleep(0)
-    assert raw.writes == [] and raw.aborted
-
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, loop)  # type: ignore[arg-type]
-    transport.write(HEAD)
-    transport.write_eof()
-    assert raw.writes == [HEAD] and raw.eof
-
-
-async def test_a_head_held_when_the_connection_is_lost_is_dropped() -> None:
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    transport.write(HEAD)
-    raw.closed = True  # the peer went away before the loop's next turn
-    await asyncio.sleep(0)  # the fallback must not write to the closed transport
-    assert raw.writes == [] and raw.late == []
-
-
-async def test_other_attributes_are_the_wrapped_transports() -> None:
-    raw = RecordingTransport()
-    transport = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    assert transport.get_extra_info("peername") == ("127.0.0.1", 5555)
-    assert transport.is_closing() is False
+        self.reading = True
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -152,8 +79,8 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _connection(app: Any) -> tuple[RecordingTransport, HttpProtocol]:
-    config = uvicorn.Config(app, http=HttpProtocol, log_level="warning", lifespan="off")
+async def _connection(app: Any, **settings: Any) -> tuple[RecordingTransport, HttpProtocol]:
+    config = uvicorn.Config(app, http=HttpProtocol, log_level="warning", lifespan="off", **settings)
     config.load()
     protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
     raw = RecordingTransport()
@@ -166,13 +93,13 @@ async def _exchange(request: bytes) -> tuple[RecordingTransport, HttpProtocol]:
     protocol.data_received(request)
     for _ in range(200):
         await asyncio.sleep(0.001)
-        if protocol.cycle is not None and protocol.cycle.response_complete:
+        if protocol.cycle is None:
             break
     await asyncio.sleep(0)
     return raw, protocol
 
 
-async def test_uvicorn_writes_an_answer_in_one_write_through_the_protocol() -> None:
+async def test_an_answer_leaves_in_one_write() -> None:
     raw, protocol = await _exchange(b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n")
     assert len(raw.writes) == 1, raw.writes
     head, _, body = raw.writes[0].partition(b"\r\n\r\n")
@@ -182,7 +109,7 @@ async def test_uvicorn_writes_an_answer_in_one_write_through_the_protocol() -> N
     protocol.connection_lost(None)
 
 
-async def test_uvicorn_streams_the_first_event_with_the_head_and_later_ones_on_their_own() -> None:
+async def test_a_stream_sends_its_first_event_with_the_head_and_later_ones_on_their_own() -> None:
     raw, protocol = await _exchange(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
     assert len(raw.writes) == 3, raw.writes
     assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
@@ -330,3 +257,309 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout_and_not
             assert 0.3 < idle < 5.0
         finally:
             writer.close()
+
+
+async def _settle(turns: int = 20) -> None:
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+async def _answer(send: Any, body: bytes = b"ok", *headers: tuple[bytes, bytes]) -> None:
+    length = (b"content-length", str(len(body)).encode())
+    await send({"type": "http.response.start", "status": 200, "headers": [length, *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_a_head_whose_body_is_late_goes_out_on_the_next_turn_not_with_the_body() -> None:
+    go = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await go.wait()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert len(raw.writes) == 1 and raw.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
+    go.set()
+    await _settle()
+    assert raw.writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
+    protocol.connection_lost(None)
+
+
+async def test_expect_100_continue_is_answered_when_the_app_reads_and_never_held() -> None:
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        bodies.append(message["body"])
+        await _answer(send)
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n"
+    )
+    await _settle()
+    assert raw.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    protocol.data_received(b"abc")
+    await _settle()
+    assert bodies == [b"abc"] and raw.writes[1].startswith(b"HTTP/1.1 200 OK\r\n")
+    protocol.connection_lost(None)
+
+
+async def test_a_chunked_request_body_reaches_the_app_whole() -> None:
+    seen: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message["body"]
+            if not message["more_body"]:
+                break
+        seen.append(body)
+        await _answer(send)
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+    protocol.data_received(b"3\r\nabc\r\n")
+    await _settle()
+    protocol.data_received(b"2\r\nde\r\n0\r\n\r\n")
+    await _settle()
+    assert seen == [b"abcde"]
+    assert raw.writes[0].endswith(b"\r\n\r\nok")
+    protocol.connection_lost(None)
+
+
+async def test_a_large_unread_body_pauses_reading_until_the_app_reads() -> None:
+    release = asyncio.Event()
+    got: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message["body"])
+            if not message["more_body"]:
+                break
+        got.append(size)
+        await _answer(send)
+
+    raw, protocol = await _connection(app)
+    size = 200_000
+    protocol.data_received(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
+    protocol.data_received(b"x" * 100_000)
+    assert raw.reading is False  # more than the high-water mark is waiting
+    release.set()
+    await _settle()
+    assert raw.reading is True
+    protocol.data_received(b"x" * 100_000)
+    await _settle()
+    assert got == [size]
+    protocol.connection_lost(None)
+
+
+async def test_head_answers_carry_the_length_but_no_body() -> None:
+    raw, protocol = await _connection(_app)
+    protocol.data_received(b"HEAD /json HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert len(raw.writes) == 1
+    head, _, body = raw.writes[0].partition(b"\r\n\r\n")
+    assert b"content-length: 11" in head and body == b""
+    assert not raw.closed  # the connection stays usable
+    protocol.connection_lost(None)
+
+
+async def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
+    for request in (
+        b"GET /json HTTP/1.0\r\n\r\n",
+        b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    ):
+        raw, protocol = await _connection(_app)
+        protocol.data_received(request)
+        await _settle()
+        assert raw.closed
+        head, _, body = raw.writes[0].partition(b"\r\n\r\n")
+        assert b"connection: close" in head and body == b'{"ok":true}'
+
+
+async def test_an_app_that_fails_before_answering_gets_a_500_and_after_a_closed_connection() -> (
+    None
+):
+    async def before(scope: Any, receive: Any, send: Any) -> None:
+        raise ValueError("boom")
+
+    async def after(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        raise ValueError("boom")
+
+    async def silent(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    for app, expect_500 in ((before, True), (after, False), (silent, True)):
+        raw, protocol = await _connection(app)
+        protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await _settle()
+        wire = b"".join(raw.writes)
+        assert raw.closed
+        if expect_500:
+            assert wire.startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
+            assert wire.endswith(b"Internal Server Error")
+        else:
+            assert wire.startswith(b"HTTP/1.1 200 OK\r\n") and not wire.endswith(b"0\r\n\r\n")
+
+
+async def test_a_body_longer_or_shorter_than_its_length_is_refused_and_the_connection_closed() -> (
+    None
+):
+    errors: list[str] = []
+
+    def app_with(chunks: list[bytes]) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", b"4")],
+                }
+            )
+            try:
+                for i, chunk in enumerate(chunks):
+                    more = i < len(chunks) - 1
+                    await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            except RuntimeError as exc:
+                errors.append(str(exc))
+                raise
+
+        return app
+
+    for chunks in ([b"toolong"], [b"ab"]):
+        raw, protocol = await _connection(app_with(chunks))
+        protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await _settle()
+        assert raw.closed
+    assert errors == [
+        "Response content longer than Content-Length",
+        "Response content shorter than Content-Length",
+    ]
+
+
+async def test_header_injection_is_refused() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await _answer(send, b"ok", (b"x-evil", b"a\r\nset-cookie: b"))
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    wire = b"".join(raw.writes)
+    assert wire.startswith(b"HTTP/1.1 500 ") and b"set-cookie" not in wire
+
+
+async def test_an_unparsable_request_gets_a_400_and_a_closed_connection() -> None:
+    raw, protocol = await _connection(_app)
+    protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    assert raw.closed and raw.writes[0].startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert raw.writes[0].endswith(b"Invalid HTTP request received.")
+
+
+async def test_past_the_concurrency_limit_the_answer_is_503() -> None:
+    raw, protocol = await _connection(_app, limit_concurrency=1)  # this connection is one
+    protocol.data_received(b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert raw.writes[0].startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and raw.closed
+
+
+async def test_the_path_query_and_headers_reach_the_app_as_asgi_says() -> None:
+    scopes: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        scopes.append(scope)
+        await _answer(send)
+
+    _raw, protocol = await _connection(app, root_path="/api")
+    protocol.data_received(b"GET /a%20b/c?x=1&y=2 HTTP/1.1\r\nHost: x\r\nX-Thing: V\r\n\r\n")
+    await _settle()
+    scope = scopes[0]
+    assert scope["type"] == "http" and scope["method"] == "GET"
+    assert scope["path"] == "/api/a b/c" and scope["raw_path"] == b"/api/a%20b/c"
+    assert scope["root_path"] == "/api" and scope["query_string"] == b"x=1&y=2"
+    assert scope["headers"] == [(b"host", b"x"), (b"x-thing", b"V")]
+    assert scope["client"] == ("127.0.0.1", 5555) and scope["server"] == ("127.0.0.1", 8080)
+    assert scope["http_version"] == "1.1" and scope["scheme"] == "http"
+    assert connection_of(scope) is protocol
+    protocol.connection_lost(None)
+
+
+async def test_a_disconnect_reaches_a_waiting_receive_and_later_sends_are_dropped() -> None:
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(await receive())
+        seen.append(await receive())  # waits: the whole body is in; only a disconnect ends it
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        seen.append("sent")
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert seen == [{"type": "http.request", "body": b"", "more_body": False}]
+    protocol.connection_lost(None)
+    await _settle()
+    assert seen[1:] == [{"type": "http.disconnect"}, "sent"] and raw.writes == []
+
+
+async def test_writes_wait_while_the_transport_is_paused() -> None:
+    sent: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            sent.append(i)
+        await send({"type": "http.response.body", "body": b""})
+
+    raw, protocol = await _connection(app)
+    protocol.pause_writing()
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert sent == [] and raw.writes == []
+    protocol.resume_writing()
+    await _settle()
+    assert sent == [0, 1, 2] and b"".join(raw.writes).endswith(b"0\r\n\r\n")
+    protocol.connection_lost(None)
+
+
+async def test_shutdown_closes_an_idle_connection_now_and_a_busy_one_after_its_answer() -> None:
+    raw, protocol = await _connection(_app)
+    protocol.shutdown()
+    assert raw.closed
+
+    go = asyncio.Event()
+
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        await go.wait()
+        await _answer(send)
+
+    raw, protocol = await _connection(slow)
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    protocol.shutdown()
+    assert not raw.closed
+    go.set()
+    await _settle()
+    assert raw.closed and b"connection: close" in raw.writes[0]
+
+
+async def test_a_head_answer_without_a_length_is_not_declared_chunked() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ignored for HEAD"})
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\n"] and not raw.closed
+    protocol.connection_lost(None)

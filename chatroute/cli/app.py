@@ -114,7 +114,7 @@ def serve(
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
-        # uvicorn's httptools protocol, writing each response head together with its body.
+        # chatroute's lean HTTP/1.1 protocol (httptools), in place of uvicorn's own.
         http=HttpProtocol,
         server_header=False,  # no `server: uvicorn` on every answer
         # uvicorn logs each request at info level; below that, skip the per-request call.

@@ -1,175 +1,593 @@
-"""uvicorn's HTTP/1.1 protocol with each response head sent in the same write as its body.
+"""The service's HTTP/1.1 server protocol: a lean ASGI connection on httptools, run by uvicorn.
 
-uvicorn writes a response's status line and headers the moment the app sends
-`http.response.start`, and the body in a second write. On loopback and on fast networks
-the client then wakes twice: once for a head it cannot use yet, once for the body. On a
-busy host the first wake-up can also take the CPU away from the service before it has
-written the body. `HttpProtocol` holds the head back until the body's first bytes are
-written, so both leave in one write (one TCP segment for a small answer). A head whose
-body does not follow at once (a stream whose first event is not ready yet, an answer
-without a body) is written on the event loop's next turn, so nothing waits longer than
-that. Interim `1xx` answers are never held.
+uvicorn stays the server (sockets, signals, lifespan, graceful shutdown, the date
+header); this is the per-connection protocol it runs when given as its `http` setting
+(`uvicorn.run(app, http=HttpProtocol)`, as `chatroute serve` does). It parses with
+httptools, the C parser uvicorn's own protocol uses, and speaks ASGI 3 (HTTP spec 2.3) to
+the app, but does per request only what a request needs: one scope, one small object
+holding the request's state, one task. On the service's machine uvicorn's protocol cost
+about 0.35 ms more per proxied call than this (`bench/proxy_floor.py`, rungs 2 and 3):
+a quarter of the gateway's whole overhead.
 
-It also tells the app about its connection without a task per request: the request's
-scope carries the protocol under `scope["extensions"]["chatroute.connection"]["protocol"]`
-(`connection_of(scope)`), which can call back when the connection is lost
-(`watch_disconnect`) and say whether the whole body has already arrived
-(`body_received`). Without it, an app learns both only by awaiting `receive()`, which
-for a disconnect means a task parked on it for the whole request. And the keep-alive
-timeout armed after each answer is one of the loop's shared timers (`chatroute._timer`).
+What it does on top:
+
+- A response head leaves in the same write as the first bytes of its body, so the
+  caller wakes once, not twice, and a small answer is one TCP segment. A head whose body
+  does not follow at once is written on the event loop's next turn, so nothing waits
+  longer than that. `100 Continue` is never held.
+- The request's scope names its connection (`connection_of(scope)`): the app can ask to
+  be called back when the connection is lost (`watch_disconnect`) and whether the whole
+  body has arrived (`body_received`), without a task parked on `receive()`.
+- The keep-alive timeout armed after each answer is one of the loop's shared timers
+  (`chatroute._timer`).
+
+HTTP/1.1 as a server owes it: keep-alive and `Connection: close`, HTTP/1.0, pipelined
+requests answered in order, chunked request bodies, `Expect: 100-continue`, `HEAD`,
+chunked answers when the app sets no length, a length the app set and then broke closes
+the connection, read back-pressure for large bodies and write back-pressure for slow
+readers, a 400 for unparsable requests, uvicorn's `limit_concurrency` (503), access
+logs when uvicorn's access logger has handlers, and a graceful `shutdown()`. Upgrades
+(websockets) are not served: the request is answered as plain HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+import contextvars
+import http
+import logging
+import re
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final, cast
+from urllib.parse import unquote
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import httptools
+from uvicorn.config import Config
+from uvicorn.protocols.utils import (
+    get_client_addr,
+    get_local_addr,
+    get_path_with_query_string,
+    get_remote_addr,
+    is_ssl,
+)
+from uvicorn.server import ServerState
 
-from chatroute._timer import TimerQueue, timer_queue
+from chatroute._timer import TimerHandle, TimerQueue, timer_queue
 
-__all__ = ["CONNECTION_EXTENSION", "CoalescingTransport", "HttpProtocol", "connection_of"]
+__all__ = ["CONNECTION_EXTENSION", "HttpProtocol", "connection_of"]
 
 CONNECTION_EXTENSION: Final = "chatroute.connection"
 """The scope extension naming the `HttpProtocol` a request arrived on."""
 
+# Request body bytes buffered for an app that has not read them before the socket stops
+# being read (uvicorn's figure).
+_HIGH_WATER: Final = 65536
+# Characters a header name or value must not carry (a name is an RFC 9110 token; a
+# value has no control characters but tab): anything else could split the head.
+_BAD_NAME: Final = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_BAD_VALUE: Final = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
-class CoalescingTransport:
-    """A transport wrapper that joins a response head with the write that follows it.
 
-    Order is always kept: a held head goes out before, or together with, anything
-    written after it; closing writes it first; aborting drops it with the connection.
-    Everything else is the wrapped transport's.
-    """
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS_LINES: Final = {status: _status_line(status) for status in range(100, 600)}
+
+
+class _Exchange:
+    """One request and its answer: the ASGI `receive` and `send` of one app call."""
 
     __slots__ = (
         "_flush",
-        "_held",
-        "_loop",
-        "_transport",
-        "get_extra_info",
-        "is_closing",
-        "pause_reading",
-        "resume_reading",
+        "_head",
+        "_waiter",
+        "body",
+        "chunked",
+        "continue_pending",
+        "disconnected",
+        "head_only",
+        "keep_alive",
+        "more_body",
+        "protocol",
+        "remaining",
+        "request_done",
+        "response_complete",
+        "response_started",
+        "scope",
     )
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
+    def __init__(
+        self, protocol: HttpProtocol, scope: dict[str, Any], keep_alive: bool, expect: bool
+    ) -> None:
+        self.protocol = protocol
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.continue_pending = expect
+        self.head_only = scope["method"] == "HEAD"
+        # The request: body bytes not yet handed to the app, and whether more will come.
+        self.body = b""
+        self.more_body = True
+        self.request_done = False  # the last http.request message was handed over
+        self._waiter: asyncio.Future[None] | None = None
+        self.disconnected = False
+        # The answer.
+        self.response_started = False
+        self.response_complete = False
+        self.chunked = False
+        self.remaining = 0  # body bytes still owed under a Content-Length
+        self._head: bytes | None = None  # a head held for the body's first bytes
         self._flush: asyncio.Handle | None = None
-        # The transport's own methods that the server calls on every request, bound here
-        # so that calling them does not go through __getattr__.
-        self.is_closing = transport.is_closing
-        self.get_extra_info = transport.get_extra_info
-        self.pause_reading = transport.pause_reading
-        self.resume_reading = transport.resume_reading
 
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._drop_held()
-            self._transport.write(held + data)
-        elif (
-            # A final response head: uvicorn writes a whole head, status line to blank line,
-            # in one call. "HTTP/1.1 1" is an interim answer (100 Continue), which the
-            # client waits for: not held.
-            data.startswith(b"HTTP/1.1 ") and data[9:10] != b"1" and data.endswith(b"\r\n\r\n")
-        ):
-            self._held = bytes(data)
-            self._flush = self._loop.call_soon(self.flush)
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def run(self, app: Callable[..., Any]) -> None:
+        """Call the app, and make sure the caller gets an answer or a closed connection."""
+        protocol = self.protocol
+        try:
+            result = await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
+            if not self.response_started:
+                await self._send_500()
+            else:
+                self._abandon()
         else:
-            self._transport.write(data)
+            if result is not None:
+                protocol.logger.error("ASGI callable should return None, but returned %r.", result)
+                self._abandon()
+            elif not self.response_started and not self.disconnected:
+                protocol.logger.error("ASGI callable returned without starting response.")
+                await self._send_500()
+            elif not self.response_complete and not self.disconnected:
+                protocol.logger.error("ASGI callable returned without completing response.")
+                self._abandon()
 
-    def writelines(self, list_of_data: Any) -> None:
-        self.write(b"".join(list_of_data))
+    def _abandon(self) -> None:
+        """An answer that cannot be finished: the connection is closed under it."""
+        self._drop_head()
+        self.keep_alive = False
+        self.protocol.transport.close()
 
-    def flush(self) -> None:
+    async def _send_500(self) -> None:
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": 500,
+                "headers": [
+                    (b"content-type", b"text/plain; charset=utf-8"),
+                    (b"content-length", b"21"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    async def receive(self) -> dict[str, Any]:
+        protocol = self.protocol
+        if self.continue_pending:
+            self.continue_pending = False
+            if not protocol.transport.is_closing():
+                protocol.transport.write(_CONTINUE)
+        while True:
+            if self.disconnected or self.response_complete:
+                return {"type": "http.disconnect"}
+            if self.body or (not self.more_body and not self.request_done):
+                body, self.body = self.body, b""
+                more = self.more_body
+                if not more:
+                    self.request_done = True
+                elif protocol.read_paused:
+                    protocol.resume_reading_now()
+                return {"type": "http.request", "body": body, "more_body": more}
+            # Nothing to hand over yet: wait for body bytes, the body's end, a disconnect or
+            # the end of the answer (after the whole body, receive() waits for those two).
+            if protocol.read_paused:
+                protocol.resume_reading_now()
+            waiter = self._waiter = protocol.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    async def send(self, message: Mapping[str, Any]) -> None:
+        protocol = self.protocol
+        if protocol.write_paused and not self.disconnected:
+            await protocol.drain()
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(
+                    f"Expected ASGI message 'http.response.start', but got {kind!r}."
+                )
+            status = message["status"]
+            self._head = self._encode_head(status, message.get("headers", ()))  # may refuse
+            self.response_started = True
+            self.continue_pending = False
+            self._flush = protocol.loop.call_soon(self.flush_head)
+            if protocol.access_log:
+                protocol.access_logger.info(
+                    '%s - "%s %s HTTP/%s" %d',
+                    get_client_addr(self.scope),  # type: ignore[arg-type]
+                    self.scope["method"],
+                    get_path_with_query_string(self.scope),  # type: ignore[arg-type]
+                    self.scope["http_version"],
+                    status,
+                )
+            return
+        if self.response_complete:
+            raise RuntimeError(
+                f"Unexpected ASGI message {kind!r} sent, after response already completed."
+            )
+        if kind != "http.response.body":
+            raise RuntimeError(f"expected 'http.response.body', got {kind!r}")
+        body = message.get("body", b"")
+        more_body = message.get("more_body", False)
+        if self.head_only:
+            data = b""
+        elif self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+            if not more_body:
+                data += b"0\r\n\r\n"
+        else:
+            if len(body) > self.remaining:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.remaining -= len(body)
+            data = body
+        head = self._head
+        if head is not None:
+            self._drop_head()
+            data = head + data
+        if data:
+            protocol.transport.write(data)
+        if more_body:
+            return
+        if self.remaining and not self.head_only:
+            raise RuntimeError("Response content shorter than Content-Length")
+        self.response_complete = True
+        self.wake()
+        if not self.keep_alive:
+            protocol.transport.close()
+        protocol.on_response_complete(self)
+
+    def _encode_head(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+        parts = [_STATUS_LINES.get(status) or _status_line(status)]
+        length: int | None = None
+        chunked = False
+        closing = False
+        for name, value in (*self.protocol.server_state.default_headers, *headers):
+            if _BAD_NAME.search(name):
+                raise RuntimeError("Invalid HTTP header name.")
+            if _BAD_VALUE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+            name = name.lower()
+            if name == b"content-length" and length is None and not chunked:
+                length = int(value)
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                chunked, length = True, None
+            elif name == b"connection" and b"close" in [
+                token.strip().lower() for token in value.split(b",")
+            ]:
+                closing = True
+                self.keep_alive = False
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive and not closing:
+            parts.append(b"connection: close\r\n")
+        if length is None and not chunked:
+            if self.head_only or status in (204, 304) or status < 200:
+                length = 0  # no body allowed
+            else:
+                chunked = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self.chunked = chunked
+        self.remaining = length or 0
+        return b"".join(parts)
+
+    def flush_head(self) -> None:
         """Write a held head now (the loop does this on its next turn anyway); a head held
         when the connection was lost is dropped with it."""
-        held = self._held
-        if held is not None:
-            self._drop_held()
-            if not self._transport.is_closing():
-                self._transport.write(held)
+        head = self._head
+        if head is not None:
+            self._drop_head()
+            if not self.protocol.transport.is_closing():
+                self.protocol.transport.write(head)
 
-    def _drop_held(self) -> None:
-        self._held = None
+    def _drop_head(self) -> None:
+        self._head = None
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
 
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
 
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
+class HttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection, for uvicorn's `http` setting; `chatroute serve` uses it.
 
-    def abort(self) -> None:
-        self._drop_held()
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol writing through a `CoalescingTransport`.
-
-    Pass it as uvicorn's `http` setting (`uvicorn.run(app, http=HttpProtocol)`);
-    `chatroute serve` does.
+    Its constructor is the one uvicorn calls for a protocol class.
     """
 
-    _on_lost: Callable[[], None] | None = None
-    _timers: TimerQueue
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.config = config
+        self.app: Callable[..., Any] = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.logger = logging.getLogger("uvicorn.error")
+        self.access_logger = logging.getLogger("uvicorn.access")
+        self.access_log = self.access_logger.hasHandlers()
+        self.parser = httptools.HttpRequestParser(self)
+        # Answer a request even when a pipelined one after it is malformed.
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.root_path = config.root_path
+        self._raw_root_path = config.root_path.encode("ascii")
+        self.limit_concurrency = config.limit_concurrency
+        self.timeout_keep_alive = config.timeout_keep_alive
+        self._fresh_context = bool(getattr(config, "reset_contextvars", False))
+        self.app_state = app_state
+        self.server_state = server_state
+        self.connections = server_state.connections
+        self.tasks = server_state.tasks
+        self._timers: TimerQueue = timer_queue(self.loop)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        wrapped = CoalescingTransport(transport, self.loop)
-        self._timers = timer_queue(self.loop)
-        super().connection_made(wrapped)  # type: ignore[arg-type]
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.server: tuple[str, int | None] | None = None
+        self.client: tuple[str, int] | None = None
+        self.scheme = "http"
+        self.read_paused = False
+        self.write_paused = False
+        self._drained: list[asyncio.Future[None]] = []
+        self._keep_alive_timer: TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None
+        self._lost = False
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        # An ASGI extension is a dict of its own data.
-        self.scope["extensions"] = {CONNECTION_EXTENSION: {"protocol": self}}
+        # The exchange being answered, and the pipelined ones waiting their turn.
+        self.cycle: _Exchange | None = None
+        self.pipeline: deque[tuple[_Exchange, Callable[..., Any]]] = deque()
+        # The request the parser is filling in.
+        self._reading: _Exchange | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._expect = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.connections.add(self)  # type: ignore[arg-type]
+        self.transport = transport = cast(asyncio.Transport, transport)
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        self.scheme = "https" if is_ssl(transport) else "http"
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(self)  # type: ignore[arg-type]
+        self._lost = True
+        for exchange in self._exchanges():
+            if not exchange.response_complete:
+                exchange.disconnected = True
+            exchange.wake()
+        self._release_writers()
+        if exc is None:
+            self.transport.close()
+        self._cancel_keep_alive()
         callback, self._on_lost = self._on_lost, None
-        super().connection_lost(exc)
         if callback is not None:
             callback()
 
-    def on_response_complete(self) -> None:
-        # uvicorn's own, but the keep-alive timeout armed after every answer (and
-        # cancelled by the next request's first bytes) lives on the loop's TimerQueue: on
-        # uvloop a loop timer costs about 5 µs to create and cancel, once a request.
+    def eof_received(self) -> None:
+        pass  # the transport closes itself
+
+    def data_received(self, data: bytes) -> None:
+        self._cancel_keep_alive()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # No websockets here: the request was handled as plain HTTP.
+            self.logger.warning("Unsupported upgrade request.")
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self._send_400("Invalid HTTP request received.")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._release_writers()
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._expect = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        http_version = parser.get_http_version()
+        url = httptools.parse_url(self._url)
+        raw_path: bytes = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = unquote(path)
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": http_version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "method": parser.get_method().decode("ascii"),
+            "root_path": self.root_path,
+            "path": self.root_path + path,
+            "raw_path": self._raw_root_path + raw_path,
+            "query_string": url.query or b"",
+            "headers": self._headers,
+            "state": self.app_state.copy(),
+            # An ASGI extension is a dict of its own data.
+            "extensions": {CONNECTION_EXTENSION: {"protocol": self}},
+        }
+        keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        exchange = _Exchange(self, scope, keep_alive, self._expect)
+        self._reading = exchange
+        app = self.app
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            self.logger.warning("Exceeded concurrency limit.")
+            app = _service_unavailable
+        if self.cycle is None:
+            self.cycle = exchange
+            self._start(exchange, app)
+        else:  # pipelined behind the one being answered
+            self.pipeline.append((exchange, app))
+            self._pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self._reading
+        if exchange is None or exchange.response_complete:
+            return
+        exchange.body += body
+        if len(exchange.body) > _HIGH_WATER:
+            self._pause_reading()
+        exchange.wake()
+
+    def on_message_complete(self) -> None:
+        exchange = self._reading
+        if exchange is None or exchange.response_complete:
+            return
+        exchange.more_body = False
+        exchange.wake()
+
+    # -- the exchanges
+
+    def _start(self, exchange: _Exchange, app: Callable[..., Any]) -> None:
+        if self._fresh_context:
+            task = self.loop.create_task(exchange.run(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(exchange.run(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def on_response_complete(self, exchange: _Exchange) -> None:
         self.server_state.total_requests += 1
+        if self.cycle is exchange:
+            self.cycle = None
         if self.transport.is_closing():
             return
-        self._unset_keepalive_if_required()
-        if self.flow.read_paused:
-            self.flow.resume_reading()
+        self._cancel_keep_alive()
+        if self.read_paused:
+            self.resume_reading_now()
         if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
+            following, app = self.pipeline.popleft()
+            self.cycle = following
+            self._start(following, app)
         else:
-            self.timeout_keep_alive_task = self._timers.call_at(  # type: ignore[assignment]
-                self.loop.time() + self.timeout_keep_alive, self.timeout_keep_alive_handler
+            self._keep_alive_timer = self._timers.call_at(
+                self.loop.time() + self.timeout_keep_alive, self._keep_alive_expired
             )
+
+    def _exchanges(self) -> list[_Exchange]:
+        found = [] if self.cycle is None else [self.cycle]
+        found += [exchange for exchange, _ in self.pipeline]
+        if self._reading is not None and self._reading not in found:
+            found.append(self._reading)
+        return found
+
+    def shutdown(self) -> None:
+        """The server is stopping: close an idle connection now, a busy one after its answer."""
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+        else:
+            self.cycle.keep_alive = False
+
+    def _keep_alive_expired(self) -> None:
+        self._keep_alive_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _cancel_keep_alive(self) -> None:
+        timer = self._keep_alive_timer
+        if timer is not None:
+            self._keep_alive_timer = None
+            timer.cancel()
+
+    def _send_400(self, message: str) -> None:
+        body = message.encode("ascii")
+        parts = [_STATUS_LINES[400]]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (
+            b"content-type: text/plain; charset=utf-8\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        )
+        self.transport.write(b"".join(parts))
+        self.transport.close()
+
+    # -- flow control
+
+    def _pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading_now(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    async def drain(self) -> None:
+        """Wait until the transport takes writes again (or the connection is gone)."""
+        if not self.write_paused or self._lost:
+            return
+        waiter = self.loop.create_future()
+        self._drained.append(waiter)
+        await waiter
+
+    def _release_writers(self) -> None:
+        waiters, self._drained = self._drained, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- what the app may ask of its connection (see `connection_of`)
 
     def watch_disconnect(self, callback: Callable[[], None]) -> bool:
         """Call `callback` (once, from the event loop) when the connection is lost, until
         `unwatch_disconnect`; False, and no call, when it is already lost. One watch at a
         time: the running request's."""
         cycle = self.cycle
-        if self.transport.is_closing() or (cycle is not None and cycle.disconnected):
+        if self._lost or self.transport.is_closing() or (cycle is not None and cycle.disconnected):
             return False
-        # uvicorn pauses reading under a large body; reading is how a disconnect is seen.
-        if self.flow.read_paused:
-            self.flow.resume_reading()
+        # Reading is paused under a large body; reading is how a disconnect is seen.
+        if self.read_paused:
+            self.resume_reading_now()
         self._on_lost = callback
         return True
 
@@ -182,7 +600,23 @@ class HttpProtocol(HttpToolsProtocol):
         """Whether the running request's whole body has arrived, so that `receive()`
         hands it over without waiting."""
         cycle = self.cycle
-        return cycle is not None and getattr(cycle, "more_body", True) is False
+        return cycle is not None and not cycle.more_body
+
+
+async def _service_unavailable(scope: Any, receive: Any, send: Any) -> None:
+    """The answer past uvicorn's `limit_concurrency`."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", b"19"),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"Service Unavailable"})
 
 
 def connection_of(scope: Mapping[str, Any]) -> HttpProtocol | None:
