@@ -14,9 +14,10 @@ stream, chunk by chunk), each one layer heavier than the one before:
 2. uvicorn (uvloop, httptools) serving a plain ASGI callable, same upstream side as 1.
 3. uvicorn + plain ASGI, posting on chatroute's provider connection pool
    (`chatroute.providers._h1.H1Pool`), on uvicorn's own httptools protocol.
-4. as 3, on chatroute's HTTP protocol (`chatroute.server.protocol.HttpProtocol`: each
-   response head leaves in the same write as its body): the stack chatroute's chat
-   endpoint runs on (`_ChatEndpoint` in front of FastAPI, providers on their own pool).
+4. as 3, on chatroute's own HTTP/1.1 protocol (`chatroute.server.protocol.HttpProtocol`,
+   in place of uvicorn's: a lean ASGI connection whose response heads leave in the same
+   write as their bodies): the stack chatroute's chat endpoint runs on (`_ChatEndpoint`
+   in front of FastAPI, providers on their own pool).
 5. as 3, but posting with one pooled aiohttp session (what chatroute's providers used
    before they had their own pool).
 6. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
@@ -304,7 +305,7 @@ RUNGS = [
     ("1", "asyncio streams relay (uvloop), raw upstream connection", False),
     ("2", "uvicorn + plain ASGI, raw upstream connection", False),
     ("3", "uvicorn + plain ASGI, chatroute's provider pool (H1Pool)", True),
-    ("4", "as 3, on chatroute's HTTP protocol (head and body in one write)", True),
+    ("4", "as 3, on chatroute's own HTTP/1.1 protocol (HttpProtocol)", True),
     ("5", "uvicorn + plain ASGI, aiohttp session", True),
     ("6", "uvicorn + FastAPI route, aiohttp session", True),
     ("7", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),

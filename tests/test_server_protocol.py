@@ -563,3 +563,26 @@ async def test_a_head_answer_without_a_length_is_not_declared_chunked() -> None:
     await _settle()
     assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\n"] and not raw.closed
     protocol.connection_lost(None)
+
+
+async def test_an_answer_given_without_reading_a_held_back_body_closes_the_connection() -> None:
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        await _answer(send, b"no")  # never asks for the body
+
+    raw, protocol = await _connection(refuse)
+    protocol.data_received(
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n"
+    )
+    await _settle()
+    assert b"100 Continue" not in b"".join(raw.writes)
+    assert b"connection: close" in raw.writes[0] and raw.closed
+
+
+async def test_an_upgrade_request_is_answered_as_plain_http_and_the_connection_closed() -> None:
+    raw, protocol = await _connection(_app)
+    protocol.data_received(
+        b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
+    )
+    await _settle()
+    assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and raw.closed
+    assert raw.writes[0].endswith(b'{"ok":true}')

@@ -212,6 +212,10 @@ class _Exchange:
                     f"Expected ASGI message 'http.response.start', but got {kind!r}."
                 )
             status = message["status"]
+            if self.continue_pending and self.more_body:
+                # Answered without asking for the body the caller holds back: the body
+                # may never come, so the connection cannot carry another request.
+                self.keep_alive = False
             self._head = self._encode_head(status, message.get("headers", ()))  # may refuse
             self.response_started = True
             self.continue_pending = False
@@ -249,7 +253,7 @@ class _Exchange:
         if head is not None:
             self._drop_head()
             data = head + data
-        if data:
+        if data and not protocol.transport.is_closing():  # closed under a 400: dropped
             protocol.transport.write(data)
         if more_body:
             return
@@ -398,8 +402,13 @@ class HttpProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # No websockets here: the request was handled as plain HTTP.
+            # No websockets here: the request is answered as plain HTTP, and the connection
+            # closed after it (the parser reads nothing more on it).
             self.logger.warning("Unsupported upgrade request.")
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+            else:
+                self.transport.close()
         except httptools.HttpParserError:
             self.logger.warning("Invalid HTTP request received.")
             self._send_400("Invalid HTTP request received.")
