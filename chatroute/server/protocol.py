@@ -159,18 +159,7 @@ class _Exchange:
         self.protocol.transport.close()
 
     async def _send_500(self) -> None:
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": 500,
-                "headers": [
-                    (b"content-type", b"text/plain; charset=utf-8"),
-                    (b"content-length", b"21"),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+        await _plain_answer(self.send, 500, b"Internal Server Error")
 
     async def receive(self) -> dict[str, Any]:
         protocol = self.protocol
@@ -612,20 +601,20 @@ class HttpProtocol(asyncio.Protocol):
         return cycle is not None and not cycle.more_body
 
 
+async def _plain_answer(send: Callable[..., Any], status: int, text: bytes) -> None:
+    """A text answer after which the connection closes."""
+    headers = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", b"%d" % len(text)),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": text})
+
+
 async def _service_unavailable(scope: Any, receive: Any, send: Any) -> None:
     """The answer past uvicorn's `limit_concurrency`."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", b"19"),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": b"Service Unavailable"})
+    await _plain_answer(send, 503, b"Service Unavailable")
 
 
 def connection_of(scope: Mapping[str, Any]) -> HttpProtocol | None:
