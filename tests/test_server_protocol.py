@@ -586,3 +586,34 @@ async def test_an_upgrade_request_is_answered_as_plain_http_and_the_connection_c
     await _settle()
     assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and raw.closed
     assert raw.writes[0].endswith(b'{"ok":true}')
+
+
+async def test_a_request_head_over_the_limit_gets_431_and_a_closed_connection() -> None:
+    from chatroute.server.protocol import MAX_HEAD_BYTES
+
+    # A header that grows across many reads (httptools would buffer it without end).
+    raw, protocol = await _connection(_app)
+    protocol.data_received(b"GET /json HTTP/1.1\r\nhost: x\r\nx-big: ")
+    sent = 0
+    while not raw.closed and sent < 4 * MAX_HEAD_BYTES:
+        protocol.data_received(b"a" * 4096)
+        sent += 4096
+    assert raw.closed and sent <= MAX_HEAD_BYTES + 4096
+    assert raw.writes[0].startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+
+    # A target over the limit, in one read.
+    raw, protocol = await _connection(_app)
+    protocol.data_received(b"GET /" + b"a" * MAX_HEAD_BYTES + b" HTTP/1.1\r\n")
+    assert raw.closed and raw.writes[0].startswith(b"HTTP/1.1 431 ")
+
+    # A large head within the limit is served, and the next request on the connection too.
+    raw, protocol = await _connection(_app)
+    big = b"GET /json HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES // 2) + b"\r\n\r\n"
+    for start in range(0, len(big), 4096):
+        protocol.data_received(big[start : start + 4096])
+    await _settle()
+    protocol.data_received(b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert not raw.closed and len(raw.writes) == 2
+    assert all(w.startswith(b"HTTP/1.1 200 OK\r\n") for w in raw.writes)
+    protocol.connection_lost(None)

@@ -25,7 +25,8 @@ HTTP/1.1 as a server owes it: keep-alive and `Connection: close`, HTTP/1.0, pipe
 requests answered in order, chunked request bodies, `Expect: 100-continue`, `HEAD`,
 chunked answers when the app sets no length, a length the app set and then broke closes
 the connection, read back-pressure for large bodies and write back-pressure for slow
-readers, a 400 for unparsable requests, uvicorn's `limit_concurrency` (503), access
+readers, a 400 for unparsable requests, a 431 for a request head over 64 KiB (httptools
+itself sets no limit), uvicorn's `limit_concurrency` (503), access
 logs when uvicorn's access logger has handlers, and a graceful `shutdown()`. Upgrades
 (websockets) are not served: the request is answered as plain HTTP.
 """
@@ -68,6 +69,9 @@ _HIGH_WATER: Final = 65536
 _BAD_NAME: Final = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE: Final = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The most a request's target and headers may take (httptools sets no limit): a caller
+# that sends more gets a 431 and the connection closed, instead of growing memory.
+MAX_HEAD_BYTES: Final = 64 * 1024
 
 
 def _status_line(status: int) -> bytes:
@@ -358,6 +362,8 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect = False
+        self._in_head = False  # a request head has begun and not ended
+        self._head_bytes = 0
 
     # -- asyncio.Protocol
 
@@ -400,7 +406,13 @@ class HttpProtocol(asyncio.Protocol):
                 self.transport.close()
         except httptools.HttpParserError:
             self.logger.warning("Invalid HTTP request received.")
-            self._send_400("Invalid HTTP request received.")
+            self._refuse(400, "Invalid HTTP request received.")
+            return
+        if self._in_head:  # bytes of an unfinished head (httptools buffers them unbounded)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.logger.warning("Request head over %d bytes.", MAX_HEAD_BYTES)
+                self._refuse(431, "Request header fields too large.")
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -415,6 +427,8 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._expect = False
+        self._in_head = True
+        self._head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -426,6 +440,7 @@ class HttpProtocol(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         parser = self.parser
         http_version = parser.get_http_version()
         url = httptools.parse_url(self._url)
@@ -534,9 +549,10 @@ class HttpProtocol(asyncio.Protocol):
             self._keep_alive_timer = None
             timer.cancel()
 
-    def _send_400(self, message: str) -> None:
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that cannot be read (`status` and `message`) and close."""
         body = message.encode("ascii")
-        parts = [_STATUS_LINES[400]]
+        parts = [_STATUS_LINES[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
         parts += (
@@ -545,8 +561,9 @@ class HttpProtocol(asyncio.Protocol):
             b"connection: close\r\n\r\n",
             body,
         )
-        self.transport.write(b"".join(parts))
-        self.transport.close()
+        if not self.transport.is_closing():
+            self.transport.write(b"".join(parts))
+            self.transport.close()
 
     # -- flow control
 
