@@ -5,9 +5,9 @@ header); this is the per-connection protocol it runs when given as its `http` se
 (`uvicorn.run(app, http=HttpProtocol)`, as `chatroute serve` does). It parses with
 httptools, the C parser uvicorn's own protocol uses, and speaks ASGI 3 (HTTP spec 2.3) to
 the app, but does per request only what a request needs: one scope, one small object
-holding the request's state, one task. On the service's machine uvicorn's protocol cost
-about 0.35 ms more per proxied call than this (`bench/proxy_floor.py`, rungs 2 and 3):
-a quarter of the gateway's whole overhead.
+holding the request's state, one task. On the development machine the whole service
+answered 0.1 to 0.2 ms sooner per proxied call on it than on uvicorn's own httptools
+protocol (`bench/proxy_compare.py`, same-run comparisons; see BENCHMARKS.md).
 
 What it does on top:
 
