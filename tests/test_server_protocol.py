@@ -606,6 +606,13 @@ async def test_a_request_head_over_the_limit_gets_431_and_a_closed_connection() 
     protocol.data_received(b"GET /" + b"a" * MAX_HEAD_BYTES + b" HTTP/1.1\r\n")
     assert raw.closed and raw.writes[0].startswith(b"HTTP/1.1 431 ")
 
+    # Headers over the limit that arrive whole, in one read.
+    raw, protocol = await _connection(_app)
+    many = b"".join(b"x-h%d: %s\r\n" % (i, b"b" * 1000) for i in range(70))
+    protocol.data_received(b"GET /json HTTP/1.1\r\nhost: x\r\n" + many + b"\r\n")
+    await _settle()
+    assert raw.closed and len(raw.writes) == 1 and raw.writes[0].startswith(b"HTTP/1.1 431 ")
+
     # A large head within the limit is served, and the next request on the connection too.
     raw, protocol = await _connection(_app)
     big = b"GET /json HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES // 2) + b"\r\n\r\n"

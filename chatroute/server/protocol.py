@@ -74,6 +74,10 @@ _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_HEAD_BYTES: Final = 64 * 1024
 
 
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback when the request head passes MAX_HEAD_BYTES."""
+
+
 def _status_line(status: int) -> bytes:
     try:
         phrase = http.HTTPStatus(status).phrase.encode()
@@ -363,7 +367,8 @@ class HttpProtocol(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect = False
         self._in_head = False  # a request head has begun and not ended
-        self._head_bytes = 0
+        self._raw_head_bytes = 0  # bytes read while it was unfinished
+        self._head_bytes = 0  # its target and headers as parsed
 
     # -- asyncio.Protocol
 
@@ -404,15 +409,21 @@ class HttpProtocol(asyncio.Protocol):
                 self.cycle.keep_alive = False
             else:
                 self.transport.close()
-        except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self._refuse(400, "Invalid HTTP request received.")
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):  # raised by a callback here
+                self._refuse_large_head()
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self._refuse(400, "Invalid HTTP request received.")
             return
-        if self._in_head:  # bytes of an unfinished head (httptools buffers them unbounded)
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self.logger.warning("Request head over %d bytes.", MAX_HEAD_BYTES)
-                self._refuse(431, "Request header fields too large.")
+        if self._in_head:  # an unfinished head: httptools buffers a header value unbounded
+            self._raw_head_bytes += len(data)
+            if self._raw_head_bytes > MAX_HEAD_BYTES:
+                self._refuse_large_head()
+
+    def _refuse_large_head(self) -> None:
+        self.logger.warning("Request head over %d bytes.", MAX_HEAD_BYTES)
+        self._refuse(431, "Request header fields too large.")
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -428,12 +439,19 @@ class HttpProtocol(asyncio.Protocol):
         self._headers = []
         self._expect = False
         self._in_head = True
+        self._raw_head_bytes = 0
         self._head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect = True
