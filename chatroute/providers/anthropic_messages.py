@@ -33,6 +33,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
+from chatroute.providers._checks import check_call_args, check_client_args
 from chatroute.providers._http import http
 from chatroute.providers.errors import (
     MalformedResponseError,
@@ -469,18 +470,16 @@ class AnthropicChatClient(ChatClient):
         http_client: Any = None,
         default_query: Mapping[str, str] | None = None,
     ) -> None:
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError("model must be a non-empty string or None")
+        check_client_args(
+            model=model,
+            max_connections=max_connections,
+            max_keepalive_connections=max_keepalive_connections,
+            context_window=context_window,
+            extra_body=extra_body,
+            reserved_body_keys=_RESERVED_BODY_KEYS,
+        )
         if default_max_tokens < 1:
             raise ValueError("default_max_tokens must be a positive token count")
-        if max_connections < 1 or max_keepalive_connections < 0:
-            raise ValueError("max_connections must be >= 1 and max_keepalive_connections >= 0")
-        if context_window is not None and context_window < 1:
-            raise ValueError("context_window must be a positive token count")
-        if extra_body and _RESERVED_BODY_KEYS & set(extra_body):
-            raise ValueError(
-                f"extra_body may not set {sorted(_RESERVED_BODY_KEYS & set(extra_body))}"
-            )
         self.model = model
         self.base_url = base_url or DEFAULT_BASE_URL
         self.name = name or model or self.base_url
@@ -536,10 +535,7 @@ class AnthropicChatClient(ChatClient):
     ) -> dict[str, Any]:
         if self._closed:
             raise RuntimeError(f"AnthropicChatClient {self.name!r} is closed")
-        if messages is None:
-            raise TypeError("messages must not be None")
-        if options is not None and not isinstance(options, ChatOptions):
-            raise TypeError(f"options must be ChatOptions or None, got {type(options).__name__}")
+        check_call_args(messages, options)
         try:
             return build_anthropic_request(
                 messages,

@@ -33,6 +33,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UsageDetails,
 )
+from chatroute.providers._checks import check_call_args, check_client_args
 from chatroute.providers._h1 import H1Pool, H1Response
 from chatroute.providers._http import http
 from chatroute.providers.errors import (
@@ -350,8 +351,14 @@ class OpenAIChatClient(ChatClient):
             raise ValueError(
                 f"api_key_header must be 'authorization' or 'api-key', got {api_key_header!r}"
             )
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError("model must be a non-empty string or None")
+        check_client_args(
+            model=model,
+            max_connections=max_connections,
+            max_keepalive_connections=max_keepalive_connections,
+            context_window=context_window,
+            extra_body=extra_body,
+            reserved_body_keys=_RESERVED_BODY_KEYS,
+        )
         if base_url is not None and not isinstance(base_url, str):
             raise TypeError("base_url must be a string")
         if api_key is not None and not isinstance(api_key, str):
@@ -360,14 +367,6 @@ class OpenAIChatClient(ChatClient):
             raise ValueError(
                 f"max_tokens_param must be 'max_tokens' or 'max_completion_tokens', "
                 f"got {max_tokens_param!r}"
-            )
-        if max_connections < 1 or max_keepalive_connections < 0:
-            raise ValueError("max_connections must be >= 1 and max_keepalive_connections >= 0")
-        if context_window is not None and context_window < 1:
-            raise ValueError("context_window must be a positive token count")
-        if extra_body and _RESERVED_BODY_KEYS & set(extra_body):
-            raise ValueError(
-                f"extra_body may not set {sorted(_RESERVED_BODY_KEYS & set(extra_body))}"
             )
         self.model = model
         self.base_url = base_url or "https://api.openai.com/v1"
@@ -507,10 +506,7 @@ class OpenAIChatClient(ChatClient):
     def _request(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None, *, stream: bool
     ) -> dict[str, Any]:
-        if messages is None:
-            raise TypeError("messages must not be None")
-        if options is not None and not isinstance(options, ChatOptions):
-            raise TypeError(f"options must be ChatOptions or None, got {type(options).__name__}")
+        check_call_args(messages, options)
         return build_request(
             messages,
             options,

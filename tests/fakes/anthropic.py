@@ -33,6 +33,7 @@ from tests.fakes.upstream import (
     Status,
     _chunked,
     _Conn,
+    _scripted_break,
 )
 
 __all__ = ["FakeAnthropic", "anthropic_error_body"]
@@ -222,11 +223,7 @@ class FakeAnthropic(FakeUpstream):
                 )
             )
             for delta in deltas:
-                if ok.cut_after is not None and sent >= ok.cut_after:
-                    conn.close(rst=ok.rst)
-                    return False
-                if ok.stall_after is not None and sent >= ok.stall_after:
-                    await conn.eof.wait()
+                if await _scripted_break(conn, ok, sent):
                     return False
                 if sent > 0:
                     await conn.sleep(ok.chunk_delay)
@@ -249,11 +246,7 @@ class FakeAnthropic(FakeUpstream):
                     _event("content_block_stop", {"type": "content_block_stop", "index": index})
                 )
             )
-        if ok.cut_after is not None and ok.cut_after >= sent:
-            conn.close(rst=ok.rst)
-            return False
-        if ok.stall_after is not None and ok.stall_after >= sent:
-            await conn.eof.wait()
+        if await _scripted_break(conn, ok, sent, at_end=True):
             return False
         if ok.error_at is not None:
             return await self._error_event(conn, ok, keep_alive)

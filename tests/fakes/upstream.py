@@ -521,6 +521,19 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
+async def _scripted_break(conn: _Conn, ok: Ok, sent: int, *, at_end: bool = False) -> bool:
+    """Cut or stall the stream where `ok` scripts it, with `sent` content chunks written
+    (`at_end`: all of them, and no cut or stall came earlier, so any scripted one is due);
+    True when it did, and the answer ends there."""
+    if ok.cut_after is not None and (at_end or sent >= ok.cut_after):
+        conn.close(rst=ok.rst)
+        return True
+    if ok.stall_after is not None and (at_end or sent >= ok.stall_after):
+        await conn.eof.wait()
+        return True
+    return False
+
+
 def _error_body(status: Status) -> bytes:
     if status.body is not None:
         if isinstance(status.body, bytes):
@@ -1094,11 +1107,7 @@ class FakeUpstream:
         await conn.sleep(ok.first_token_delay)
 
         for i, delta in enumerate(deltas):
-            if ok.cut_after is not None and i >= ok.cut_after:
-                conn.close(rst=ok.rst)
-                return False
-            if ok.stall_after is not None and i >= ok.stall_after:
-                await conn.eof.wait()
+            if await _scripted_break(conn, ok, i):
                 return False
             if i > 0:
                 await conn.sleep(ok.chunk_delay)
@@ -1111,12 +1120,7 @@ class FakeUpstream:
                 await conn.send(_chunked(b'data: {"id": "chatcmpl-broken", "choices": [{\n\n'))
             else:
                 await conn.send(_chunked(_sse(chunk(delta))))
-        n = len(deltas)
-        if ok.cut_after is not None and ok.cut_after >= n:
-            conn.close(rst=ok.rst)
-            return False
-        if ok.stall_after is not None and ok.stall_after >= n:
-            await conn.eof.wait()
+        if await _scripted_break(conn, ok, len(deltas), at_end=True):
             return False
         if ok.error_at is not None:
             await conn.send(_chunked(_sse({"error": dict(ok.error or {})})))
