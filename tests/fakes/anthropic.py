@@ -33,6 +33,7 @@ from tests.fakes.upstream import (
     Status,
     _chunked,
     _Conn,
+    _scripted_body,
     _scripted_break,
 )
 
@@ -61,12 +62,9 @@ def _event(name: str, obj: Any) -> bytes:
 
 def anthropic_error_body(status: Status) -> bytes:
     """The body a `Status` answers with, in the Anthropic error shape."""
-    if status.body is not None:
-        if isinstance(status.body, bytes):
-            return status.body
-        if isinstance(status.body, str):
-            return status.body.encode()
-        return json.dumps(status.body).encode()
+    scripted = _scripted_body(status)
+    if scripted is not None:
+        return scripted
     etype = status.type or _ERROR_TYPES.get(status.status)
     if etype is None:
         etype = "api_error" if status.status >= 500 else "invalid_request_error"

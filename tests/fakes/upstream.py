@@ -534,13 +534,21 @@ async def _scripted_break(conn: _Conn, ok: Ok, sent: int, *, at_end: bool = Fals
     return False
 
 
+def _scripted_body(status: Status) -> bytes | None:
+    """The body a `Status` scripts as it is (bytes, text or JSON); None when it scripts none."""
+    if status.body is None:
+        return None
+    if isinstance(status.body, bytes):
+        return status.body
+    if isinstance(status.body, str):
+        return status.body.encode()
+    return json.dumps(status.body).encode()
+
+
 def _error_body(status: Status) -> bytes:
-    if status.body is not None:
-        if isinstance(status.body, bytes):
-            return status.body
-        if isinstance(status.body, str):
-            return status.body.encode()
-        return json.dumps(status.body).encode()
+    scripted = _scripted_body(status)
+    if scripted is not None:
+        return scripted
     etype, code = _ERROR_TYPES.get(status.status, ("server_error", None))
     if status.status >= 500:
         etype = "server_error"
