@@ -1,6 +1,8 @@
 """Micro-benchmark: per-attempt overhead of the failover loop against calling a client directly.
 
-Run: `.venv/bin/python bench/failover_overhead.py [--rounds N] [--batch N] [--updates N]`
+Run: `.venv/bin/python bench/failover_overhead.py [--rounds N] [--batch N] [--updates N]
+[--no-write]`; the table is printed and written to the `failover-overhead` section of
+BENCHMARKS.md.
 
 Each scenario runs `rounds` rounds of `batch` requests in one event loop; the figure
 for a round is its mean time per request, and the table reports the median over rounds.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import REPO, write_section
 from chatroute.chat import (
     ChatClient,
     ChatMessage,
@@ -245,8 +248,12 @@ if __name__ == "__main__":
         default="cpu",
         help="cpu: this thread's CPU time (robust to other load on the machine); wall: perf_counter",
     )
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args()
     if args.rounds < 1 or args.batch < 1 or args.updates < 1:
         parser.error("--rounds, --batch and --updates must be at least 1")
     results = asyncio.run(main(args.rounds, args.batch, args.updates, CLOCKS[args.clock]))
-    print(report(results, args))
+    text = report(results, args)
+    print(text)
+    if not args.no_write:
+        write_section(REPO / "BENCHMARKS.md", "failover-overhead", text)
