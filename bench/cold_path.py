@@ -60,6 +60,8 @@ ANSWER = (
     b'"total_tokens":20}}'
 )
 _VALIDATE = ChatCompletionRequest.__pydantic_validator__.validate_python
+# The single steps come first in `steps()`, then all of them in a row, then a no-op.
+_STEPS = 7
 
 
 def last_level_cache_bytes() -> int:
@@ -146,17 +148,15 @@ def measure(call: Callable[[], Any], evict: Evictor, repeats: int) -> tuple[floa
 
 def run(args: argparse.Namespace) -> str:
     evict = Evictor()
-    rows = []
-    results: dict[str, tuple[float, float]] = {}
-    for name, call in steps():
-        warm, cold = measure(call, evict, args.repeats)
-        results[name] = (warm, cold)
-        rows.append([name, f"{warm * 1e6:.1f}", f"{cold * 1e6:.1f}", f"{cold / warm:.1f}"])
-    step_names = [name for name, _ in steps()][:7]
-    warm_sum = sum(results[n][0] for n in step_names)
-    cold_sum = sum(results[n][1] for n in step_names)
-    rows.insert(7, ["sum of 1-7 timed apart", f"{warm_sum * 1e6:.1f}", f"{cold_sum * 1e6:.1f}", ""])
-    whole_warm, whole_cold = results["1-7 in a row"]
+    measured = [(name, *measure(call, evict, args.repeats)) for name, call in steps()]
+    rows = [[name, f"{w * 1e6:.1f}", f"{c * 1e6:.1f}", f"{c / w:.1f}"] for name, w, c in measured]
+    apart = measured[:_STEPS]
+    warm_sum = sum(w for _, w, _ in apart)
+    cold_sum = sum(c for _, _, c in apart)
+    rows.insert(
+        _STEPS, ["sum of 1-7 timed apart", f"{warm_sum * 1e6:.1f}", f"{cold_sum * 1e6:.1f}", ""]
+    )
+    _, whole_warm, whole_cold = measured[_STEPS]  # 1-7 in a row
     return "\n".join(
         [
             "## Cold and warm cost of the chat path's own steps (bench/cold_path.py)",
