@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak clean
+.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak bench-shared clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -81,7 +81,12 @@ bench-compare: $(STAMP)
 bench-soak: $(STAMP)
 	$(BIN)/python bench/load_soak.py
 
-bench: bench-core bench-routing bench-service bench-soak
+# How soon a breaker opened (or closed) on one replica reaches another through a real
+# redis-server that the bench starts.
+bench-shared: $(STAMP) test-deps
+	$(BIN)/python bench/shared_breaker.py
+
+bench: bench-core bench-routing bench-service bench-soak bench-shared
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache
