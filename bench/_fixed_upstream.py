@@ -9,6 +9,11 @@ can, so that measured differences belong to whatever sits between the client and
   content deltas `chunk_delay` seconds apart, a finishing delta, `data: [DONE]`, and the
   end of the chunked body.
 
+`POST /v1/messages` answers the same way in Anthropic's Messages format: one message,
+or a stream whose first write carries `message_start`, the text block's start and its
+first text delta, then `chunks - 1` more deltas `chunk_delay` seconds apart, the block's
+end, `message_delta` and `message_stop`.
+
 Connections are kept alive; any other path answers 404. Run it on its own:
 
     .venv/bin/python bench/_fixed_upstream.py --port 0 --delay-ms 10
@@ -26,6 +31,11 @@ import sys
 import time
 
 _COMPLETION_PATH = b"/v1/chat/completions"
+_MESSAGES_PATH = b"/v1/messages"
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 def _completion(model: str, text: str) -> bytes:
@@ -66,6 +76,36 @@ def _http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def _message(model: str, text: str) -> bytes:
+    """An Anthropic Messages API answer."""
+    return json.dumps(
+        {
+            "id": "msg_fixed",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 12, "output_tokens": 8},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _event(name: str, obj: dict[str, object]) -> bytes:
+    """One event of an Anthropic Messages stream, as one HTTP chunk."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return _http_chunk(b"event: " + name.encode() + b"\ndata: " + data + b"\n\n")
+
+
+def _text_delta(text: str) -> bytes:
+    delta = {"type": "text_delta", "text": text}
+    return _event(
+        "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+    )
+
+
 class FixedUpstream:
     """The server's behaviour: one fixed delay, a fixed answer, optional streamed chunks."""
 
@@ -90,12 +130,15 @@ class FixedUpstream:
                     if name.strip().lower() == b"content-length":
                         length = int(value.strip())
                 body = await reader.readexactly(length) if length else b""
-                if len(parts) < 2 or parts[1] != _COMPLETION_PATH:
+                path = parts[1] if len(parts) >= 2 else b""
+                if path not in (_COMPLETION_PATH, _MESSAGES_PATH):
                     await self._not_found(writer)
                     continue
                 request = json.loads(body) if body else {}
                 model = str(request.get("model") or "fixed-model")
-                if request.get("stream"):
+                if path == _MESSAGES_PATH:
+                    await self._messages(writer, model, bool(request.get("stream")))
+                elif request.get("stream"):
                     await self._stream(writer, model)
                 else:
                     await asyncio.sleep(self.delay)
@@ -118,11 +161,61 @@ class FixedUpstream:
         )
         await writer.drain()
 
+    async def _messages(self, writer: asyncio.StreamWriter, model: str, stream: bool) -> None:
+        """An answer in Anthropic's Messages format, whole or streamed."""
+        await asyncio.sleep(self.delay)
+        if not stream:
+            payload = _message(model, "".join(self.words))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            await writer.drain()
+            return
+        start = {
+            "id": "msg_fixed",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 12, "output_tokens": 1},
+        }
+        block = {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "text", "text": ""},
+        }
+        writer.write(
+            _SSE_HEAD
+            + _event("message_start", {"type": "message_start", "message": start})
+            + _event("content_block_start", block)
+            + _text_delta(self.words[0])
+        )
+        await writer.drain()
+        for word in self.words[1:]:
+            if self.chunk_delay > 0:
+                await asyncio.sleep(self.chunk_delay)
+            writer.write(_text_delta(word))
+            await writer.drain()
+        finish = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"output_tokens": len(self.words)},
+        }
+        writer.write(
+            _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + _event("message_delta", finish)
+            + _event("message_stop", {"type": "message_stop"})
+            + b"0\r\n\r\n"
+        )
+        await writer.drain()
+
     async def _stream(self, writer: asyncio.StreamWriter, model: str) -> None:
         await asyncio.sleep(self.delay)
         writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+            _SSE_HEAD
             + _chunk(model, {"role": "assistant", "content": ""})
             + _chunk(model, {"content": self.words[0]})
         )

@@ -26,6 +26,12 @@ c. `/v1/classify` in batches of `--batch` (256) inputs, one request at a time, a
    in-process `route_batch` (an engine built from the same config in this process, the
    same batches).
 
+With `--provider anthropic` the route's provider is an Anthropic one (`type: anthropic`,
+the `anthropic` SDK) on the same upstream's Messages endpoint, and only section a. runs:
+the direct arm then calls `/v1/messages` in Anthropic's format, and the chatroute arm
+still speaks the OpenAI wire format to the service, which translates both ways. Its result
+goes to the `service-anthropic` section of BENCHMARKS.md.
+
 Every section alternates its arms over `--rounds` rounds and reports the median round (in
 b. and c. the round whose ratio of its two arms, measured back to back, is the median);
 the load average before and after is printed, since the machine may be shared. The
@@ -65,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import REPO, command, load_clinc150, machine, pct, table, write_section
 
 QUESTION = "How do I reverse a list in Python?"
+BENCH_KEY_ENV = "CHATROUTE_BENCH_PROVIDER_KEY"
 
 
 # ------------------------------------------------------------------------------ processes
@@ -80,6 +87,7 @@ def _free_port() -> int:
 def _service_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CHATROUTE_API_KEYS", None)  # /v1 open: no auth in the measured path
+    env[BENCH_KEY_ENV] = "bench-key"  # an Anthropic provider's SDK wants some key
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -176,8 +184,28 @@ def loadavg() -> str:
 # ---------------------------------------------------------------------------------- config
 
 
+def provider_config(upstream_port: int, kind: str = "openai") -> dict[str, Any]:
+    """The provider on the fixed upstream: OpenAI-compatible, or Anthropic's Messages API."""
+    if kind == "anthropic":
+        return {
+            "type": "anthropic",
+            "base_url": f"http://127.0.0.1:{upstream_port}",
+            "model": "fixed-model",
+            "api_key_env": BENCH_KEY_ENV,
+        }
+    return {
+        "type": "openai",
+        "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+        "model": "fixed-model",
+    }
+
+
 def make_config(
-    data: dict[str, list[tuple[str, str]]], upstream_port: int, port: int, per_route: int
+    data: dict[str, list[tuple[str, str]]],
+    upstream_port: int,
+    port: int,
+    per_route: int,
+    provider: str = "openai",
 ) -> dict[str, Any]:
     utterances: dict[str, list[str]] = {}
     for text, intent in data["train"]:
@@ -203,13 +231,7 @@ def make_config(
             "threshold": 0.3,
             "default_route": "general",
         },
-        "providers": {
-            "fixed": {
-                "type": "openai",
-                "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-                "model": "fixed-model",
-            }
-        },
+        "providers": {"fixed": provider_config(upstream_port, provider)},
         "routes": routes,
     }
 
@@ -217,8 +239,11 @@ def make_config(
 # ------------------------------------------------------------------------ a. proxy overhead
 
 
-def _timed_call(client: httpx.Client, url: str, body: bytes, stream: bool) -> float:
-    """Seconds to the full answer (non-streaming) or to the first content token."""
+def _timed_call(
+    client: httpx.Client, url: str, body: bytes, stream: bool, end: bytes = b"[DONE]"
+) -> float:
+    """Seconds to the full answer (non-streaming) or to the first content token (a stream
+    must then go on to `end`, its last event)."""
     headers = {"content-type": "application/json"}
     started = time.perf_counter()
     if not stream:
@@ -236,27 +261,37 @@ def _timed_call(client: httpx.Client, url: str, body: bytes, stream: bool) -> fl
             seen += chunk
             if first is None and b"word0" in seen:
                 first = time.perf_counter() - started
-    if first is None or b"[DONE]" not in seen:
-        raise RuntimeError(f"{url}: the stream had no content or no [DONE]")
+    if first is None or end not in seen:
+        raise RuntimeError(f"{url}: the stream had no content or no {end.decode()}")
     return first
 
 
 def overhead(
-    direct_url: str, service_url: str, service_pid: int, pairs: int, rounds: int, stream: bool
+    direct_url: str,
+    service_url: str,
+    service_pid: int,
+    pairs: int,
+    rounds: int,
+    stream: bool,
+    provider: str = "openai",
 ) -> dict[str, Any]:
-    body = json.dumps(
-        {
-            "model": "general",
-            "messages": [{"role": "user", "content": QUESTION}],
-            "stream": stream,
-        }
-    ).encode()
+    messages = [{"role": "user", "content": QUESTION}]
+    body = json.dumps({"model": "general", "messages": messages, "stream": stream}).encode()
+    direct_body, direct_end = body, b"[DONE]"
+    if provider == "anthropic":  # the direct arm speaks the upstream's own format
+        direct_body = json.dumps(
+            {"model": "fixed-model", "max_tokens": 4096, "messages": messages, "stream": stream}
+        ).encode()
+        direct_end = b"message_stop"
     direct_client = httpx.Client(timeout=30)
     service_client = httpx.Client(timeout=30)
-    arms = {"direct": (direct_client, direct_url), "chatroute": (service_client, service_url)}
+    arms = {
+        "direct": (direct_client, direct_url, direct_body, direct_end),
+        "chatroute": (service_client, service_url, body, b"[DONE]"),
+    }
     for _ in range(30):  # warm both connections and code paths
-        for client, url in arms.values():
-            _timed_call(client, url, body, stream)
+        for client, url, payload, end in arms.values():
+            _timed_call(client, url, payload, stream, end)
     per_round = []
     for _ in range(rounds):
         times: dict[str, list[float]] = {"direct": [], "chatroute": []}
@@ -264,8 +299,8 @@ def overhead(
         for i in range(pairs):
             order = ("direct", "chatroute") if i % 2 == 0 else ("chatroute", "direct")
             for arm in order:
-                client, url = arms[arm]
-                times[arm].append(_timed_call(client, url, body, stream))
+                client, url, payload, end = arms[arm]
+                times[arm].append(_timed_call(client, url, payload, stream, end))
         cpu = (process_cpu(service_pid) - cpu_before) / pairs
         paired = [s - d for s, d in zip(times["chatroute"], times["direct"], strict=True)]
         per_round.append(
@@ -417,8 +452,9 @@ def speed_reference(result: dict[str, Any], delay: float) -> str:
 
 def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: int) -> str:
     print("a. proxy overhead...", file=sys.stderr)
-    plain = overhead(direct, through, pid, args.pairs, args.rounds, stream=False)
-    streamed = overhead(direct, through, pid, args.pairs, args.rounds, stream=True)
+    kind = args.provider
+    plain = overhead(direct, through, pid, args.pairs, args.rounds, False, kind)
+    streamed = overhead(direct, through, pid, args.pairs, args.rounds, True, kind)
     rows = []
     for name, result in (("non-streaming (full response)", plain), ("streaming (TTFT)", streamed)):
         m = result["median"]
@@ -588,29 +624,38 @@ def run(args: argparse.Namespace) -> str:
         workdir = Path(tmp)
         upstream_port = start_upstream(stack, args, workdir)
         port = _free_port()
-        config = make_config(data, upstream_port, port, args.utterances)
+        config = make_config(data, upstream_port, port, args.utterances, args.provider)
         config_path = workdir / "chatroute.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         n_utterances = sum(len(r.get("utterances", [])) for r in config["routes"].values())
         print(f"starting the service ({len(config['routes'])} routes)...", file=sys.stderr)
         pid = start_service(stack, config_path, port, workdir)
         if "a" in args.sections:
-            direct = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+            path = "/v1/messages" if args.provider == "anthropic" else "/v1/chat/completions"
+            direct = f"http://127.0.0.1:{upstream_port}{path}"
             through = f"http://127.0.0.1:{port}/v1/chat/completions"
             sections.append(overhead_section(args, direct, through, pid))
         if "b" in args.sections or "c" in args.sections:
             sections.append(load_sections(args, config, texts, port, pid))
+    title = "## Service (issue 4 targets)"
+    provider = "an OpenAI-compatible provider (`type: openai`)"
+    if args.provider == "anthropic":
+        title = "## Service with an Anthropic provider (proxy overhead)"
+        provider = (
+            "an Anthropic provider (`type: anthropic`, the `anthropic` SDK); the direct arm "
+            "calls the upstream's `/v1/messages` in Anthropic's format"
+        )
     header = [
-        "## Service (issue 4 targets)",
+        title,
         "",
         f"- Machine: {machine()}; load average {load_before} before, {loadavg()} after "
         "(the machine may be shared with other jobs).",
         f"- Command: `{command()}`",
         f"- Service: `chatroute serve` (uvicorn {uvicorn_version()}, {uvicorn_stack()} in "
         f"this environment), {len(config['routes'])} routes / {n_utterances} utterances from "
-        "CLINC150 train, embedder on CPU, log level warning. Upstream: "
-        f"`bench/_fixed_upstream.py`, fixed {args.delay_ms:g} ms delay, 8 streamed chunks "
-        "1 ms apart.",
+        f"CLINC150 train, embedder on CPU, log level warning, routes on {provider}. "
+        f"Upstream: `bench/_fixed_upstream.py`, fixed {args.delay_ms:g} ms delay, 8 streamed "
+        "chunks 1 ms apart.",
         f"- Each section alternates its arms over {args.rounds} rounds; the median round is shown"
         " (b. and c.: the round with the median ratio of its two arms).",
         "",
@@ -636,7 +681,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
     parser.add_argument("--sections", default="abc", help="which of a, b, c to run")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument(
+        "--provider",
+        choices=("openai", "anthropic"),
+        default="openai",
+        help="the routes' provider type (anthropic: section a. only)",
+    )
     args = parser.parse_args(argv)
+    if args.provider == "anthropic":
+        if args.sections not in ("a", "abc"):
+            parser.error("--provider anthropic runs section a. only")
+        args.sections = "a"
     if args.rounds is None:
         args.rounds = 2 if args.quick else 3
     if args.pairs is None:
@@ -646,7 +701,9 @@ def main(argv: list[str] | None = None) -> None:
     text = run(args)
     print(text)
     if not args.no_write:
-        if args.sections != "abc":
+        if args.provider == "anthropic":
+            write_section(REPO / "BENCHMARKS.md", "service-anthropic", text)
+        elif args.sections != "abc":
             print("(partial run: BENCHMARKS.md left as it is)", file=sys.stderr)
         else:
             write_section(REPO / "BENCHMARKS.md", "service", text)
