@@ -29,7 +29,8 @@ from chatroute._json import (
     loads_counted,
     loads_exact,
 )
-from chatroute.providers.openai_compat import OpenAIChatClient, _json_default
+from chatroute.providers._sdk_http import _json_default
+from chatroute.providers.openai_compat import OpenAIChatClient
 from chatroute.server import wire
 from chatroute.server.errors import APIError
 from chatroute.server.guard import NotJSON, parse_json, parse_json_stdlib

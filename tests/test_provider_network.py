@@ -31,7 +31,7 @@ from chatroute.providers import (
 )
 from chatroute.providers._h1 import H1Pool
 from chatroute.providers._http import http
-from chatroute.providers.openai_compat import _SSEReader
+from chatroute.providers._sdk_http import _SSEReader
 from tests.fakes import FakeUpstream, Ok
 
 HI = [ChatMessage(ChatRole.USER, "hi")]

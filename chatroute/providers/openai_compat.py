@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
-import datetime
-import functools
-import json
 import logging
-import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import Any, Literal, NoReturn, Protocol
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Literal
 
-import anyio
 import openai
-import pydantic
 
-from chatroute._json import dumps_plain
 from chatroute._json import loads as json_loads
 from chatroute._timer import timeout, timeout_at
 from chatroute.chat.client import ChatClient
@@ -34,8 +26,15 @@ from chatroute.chat.types import (
     UsageDetails,
 )
 from chatroute.providers._checks import check_call_args, check_client_args
-from chatroute.providers._h1 import H1Pool, H1Response
 from chatroute.providers._http import http
+from chatroute.providers._sdk_http import (
+    SDKTransport,
+    _Body,
+    _close_uninterruptibly,
+    _pooled_http_client,
+    _SSEReader,
+    _ssl_context,
+)
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
     MalformedResponseError,
@@ -44,7 +43,6 @@ from chatroute.providers.errors import (
     StreamStallTimeoutError,
     TruncatedStreamError,
     UpstreamStreamError,
-    is_timeout,
     redact,
     translate_openai_error,
 )
@@ -60,81 +58,6 @@ __all__ = ["OpenAIChatClient"]
 _log = logging.getLogger(__name__)
 
 
-class _Body(Protocol):
-    """A started response whose body is still to be read: what `_send` returns.
-
-    An httpx response (a given `http_client`) or an `_h1.H1Response` (an owned client).
-    """
-
-    async def aread(self) -> bytes: ...
-
-    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
-
-    async def aclose(self) -> None: ...
-
-
-_OPENED: contextvars.ContextVar[list[http.Response] | None] = contextvars.ContextVar(
-    "chatroute_provider_opened_responses", default=None
-)
-
-
-async def _record_response(response: http.Response) -> None:
-    """httpx response hook: remember the response for the `_send_http` call in this task."""
-    opened = _OPENED.get()
-    if opened is not None:
-        opened.append(response)
-
-
-def _close_uninterruptibly(response: _Body) -> Awaitable[None]:
-    """Close `response` in a way a cancellation of the caller cannot interrupt.
-
-    An httpx response's `aclose()` may suspend, so it runs shielded; an `H1Response`
-    closes without suspending, so it needs no shield (and no task).
-    """
-    if isinstance(response, http.Response):
-        return asyncio.shield(response.aclose())
-    return response.aclose()
-
-
-async def _close_quietly(response: _Body) -> None:
-    try:
-        await _close_uninterruptibly(response)
-    except BaseException as exc:  # never mask the error being raised
-        _log.debug("closing an interrupted response failed: %r", exc)
-
-
-@functools.cache
-def _shared_ssl_context() -> ssl.SSLContext:
-    """One verifying SSL context for all providers (loading CAs is slow); honours SSL_CERT_FILE."""
-    return http.create_ssl_context(trust_env=True)
-
-
-def _ssl_context(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext:
-    """The SSL context for a `verify` setting (True is the shared verifying one)."""
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    if verify is True:
-        return _shared_ssl_context()
-    if verify is False:
-        return http.create_ssl_context(verify=False, trust_env=False)
-    if os.path.isdir(verify):
-        return ssl.create_default_context(capath=verify)
-    return ssl.create_default_context(cafile=verify)
-
-
-def _pooled_http_client(
-    *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext
-) -> http.AsyncClient:
-    """The httpx client the SDK client of an owned provider is built on.
-
-    The provider sends on its own `_h1.H1Pool`; this client sends nothing. It carries
-    the settings the SDK reads (default headers, timeouts) and is closed with the provider.
-    """
-    return http.AsyncClient(
-        timeout=timeout, limits=limits, follow_redirects=False, trust_env=False, verify=verify
-    )
-
-
 class _Keep:
     """The type of `_KEEP`: "leave this setting as it is"."""
 
@@ -142,15 +65,6 @@ class _Keep:
 _KEEP = _Keep()
 
 _RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
-
-
-def _json_default(value: object) -> Any:
-    """What the SDK's JSON encoder does with the non-JSON values it accepts."""
-    if isinstance(value, datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump(exclude_unset=True, mode="json", by_alias=True)
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _positive(name: str, value: float | None) -> float | None:
@@ -193,80 +107,7 @@ def _merge(held: list[ChatResponseUpdate], update: ChatResponseUpdate) -> ChatRe
     return update
 
 
-class _SSEReader:
-    """Server-sent events from a body's byte chunks, as (event name, data) pairs.
-
-    Lines end in LF, CRLF or CR (a CRLF split across chunks included); a blank line
-    dispatches the event gathered so far (its `data:` lines joined by LF); comment lines
-    (`:` first) are skipped, as are unknown fields; one space after the colon is dropped.
-    An event left unterminated when the body ends is still returned. Text is UTF-8, bad
-    bytes replaced.
-    """
-
-    __slots__ = ("_chunks", "_data", "_event", "_lines", "_skip_lf", "_tail")
-
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-        self._lines: list[bytes] = []
-        self._tail = b""
-        self._skip_lf = False
-        self._data: list[bytes] = []
-        self._event: bytes | None = None
-
-    def _feed(self, chunk: bytes) -> None:
-        if self._skip_lf:
-            self._skip_lf = False
-            if chunk.startswith(b"\n"):
-                chunk = chunk[1:]
-        if self._tail:
-            chunk = self._tail + chunk
-            self._tail = b""
-        lines = chunk.splitlines(keepends=True)
-        if lines and not lines[-1].endswith((b"\n", b"\r")):
-            self._tail = lines.pop()
-        elif chunk.endswith(b"\r"):
-            self._skip_lf = True  # the LF of a CRLF may open the next chunk
-        # Called only once every earlier line is consumed; lines are taken from the end.
-        lines.reverse()
-        self._lines.extend(lines)
-
-    def _dispatch(self) -> tuple[str | None, str]:
-        event = self._event.decode("utf-8", "replace") if self._event is not None else None
-        data = b"\n".join(self._data).decode("utf-8", "replace")
-        self._data = []
-        self._event = None
-        return event, data
-
-    async def next(self) -> tuple[str | None, str] | None:
-        """The next event, or None at the end of the body."""
-        lines = self._lines
-        while True:
-            while lines:
-                line = lines.pop().rstrip(b"\r\n")
-                if not line:
-                    if self._data:
-                        return self._dispatch()
-                    self._event = None
-                elif line[0] != 0x3A:  # not a ":" comment (keep-alive)
-                    name, _, value = line.partition(b":")
-                    if value[:1] == b" ":
-                        value = value[1:]
-                    if name == b"data":
-                        self._data.append(value)
-                    elif name == b"event":
-                        self._event = value
-            try:
-                chunk = await anext(self._chunks)
-            except StopAsyncIteration:
-                if self._tail:
-                    lines.append(self._tail)
-                    self._tail = b""
-                    continue
-                return self._dispatch() if self._data else None
-            self._feed(chunk)
-
-
-class OpenAIChatClient(ChatClient):
+class OpenAIChatClient(SDKTransport, ChatClient):
     """A provider over the official `openai` SDK for any OpenAI-compatible `base_url`.
 
     The SDK's own retries are off (`max_retries=0`): retrying and failing over belong to
@@ -317,6 +158,11 @@ class OpenAIChatClient(ChatClient):
     the request is an httpx one sent on that client. The owned pool keeps no cookies: what
     an upstream sets for one call is never sent with another.
     """
+
+    _sdk_timeout_error = openai.APITimeoutError
+    # What the SDK sends for a raw streamed response, which is how this client reads one.
+    _sdk_call_headers = {"X-Stainless-Raw-Response": "stream"}
+    _sdk_connection_error = openai.APIConnectionError
 
     def __init__(
         self,
@@ -405,12 +251,7 @@ class OpenAIChatClient(ChatClient):
                 ),
                 verify=tls,
             )
-        self._http = http_client
-        hooks = self._http.event_hooks
-        if _record_response not in hooks.get("response", []):
-            hooks.setdefault("response", []).append(_record_response)
-            self._http.event_hooks = hooks
-        self._extra_headers: dict[str, Any] = {}
+        self._extra_headers = {}
         if not api_key:
             # No key: send no Authorization header at all (local servers, vLLM, Ollama).
             self._extra_headers["Authorization"] = openai.omit
@@ -424,30 +265,22 @@ class OpenAIChatClient(ChatClient):
             max_retries=0,
             timeout=timeout,
             default_headers=dict(default_headers) if default_headers else None,
-            http_client=self._http,
+            http_client=http_client,
             default_query=dict(default_query) if default_query else None,
         )
-        base = self._client.base_url
-        self._url = base.copy_with(raw_path=base.raw_path + b"chat/completions")
-        if default_query:  # Azure's api-version, say: on every call
-            self._url = self._url.copy_merge_params(dict(default_query))
-        self._extensions: dict[str, Any] = {"timeout": timeout.as_dict()}
-        self._headers: http.Headers | None = None
-        self._raw_headers: tuple[tuple[bytes, bytes], ...] | None = None
         # An owned client sends on its own connection pool (shared by `with_timeouts`
-        # views); a given `http_client` is sent on.
-        self._pool: H1Pool | None = None
-        if tls is not None:
-            self._pool = H1Pool(
-                str(self._url),
-                max_connections=max_connections,
-                keepalive_expiry=keepalive_expiry,
-                ssl_context=tls,
-                connect_timeout=timeout.connect,
-                read_timeout=timeout.read,
-                pool_timeout=timeout.pool,
-                write_timeout=timeout.write,
-            )
+        # views); a given `http_client` is sent on. Azure's api-version, say, is a default
+        # query parameter: on every call.
+        self._init_transport(
+            self._client,
+            http_client,
+            b"chat/completions",
+            timeout,
+            default_query=default_query,
+            tls=tls,
+            max_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -517,149 +350,6 @@ class OpenAIChatClient(ChatClient):
             send_reasoning=self.send_reasoning,
             extra_body=self.extra_body,
         )
-
-    def _request_headers(self) -> http.Headers:
-        """The headers the SDK sends on a chat-completions call, computed once per client.
-
-        The HTTP client's defaults, then the SDK's (auth, user agent and platform headers,
-        `default_headers`), less what is omitted (no key: no `Authorization`), plus the
-        SDK's per-request `x-stainless-*` headers with its retries off. Built on first use,
-        on the event loop (the SDK names the async library in a header).
-        """
-        headers = self._headers
-        if headers is None:
-            sdk = self._client
-            merged: dict[str, Any] = {
-                **sdk.auth_headers,
-                **sdk.default_headers,
-                **self._extra_headers,
-                "X-Stainless-Raw-Response": "stream",
-                "X-Stainless-Retry-Count": "0",
-            }
-            if self.read_timeout is not None:
-                merged["X-Stainless-Read-Timeout"] = str(self.read_timeout)
-            headers = http.Headers(self._http.headers)
-            for name, value in merged.items():
-                if isinstance(value, str):
-                    headers[name] = value
-                elif name in headers:
-                    del headers[name]  # omitted
-            self._headers = headers
-        return headers
-
-    def _raw_request_headers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """`_request_headers` as the (name, value) byte pairs sent, names as written."""
-        headers = self._raw_headers
-        if headers is None:
-            headers = tuple(self._request_headers().raw)
-            self._raw_headers = headers
-        return headers
-
-    def _encode(self, body: dict[str, Any]) -> bytes:
-        """The JSON request body, encoded as the SDK encodes it (orjson writes the same
-        bytes for plain JSON values, floats aside, which it may spell differently)."""
-        out = dumps_plain(body)
-        if out is None:  # NaN / inf (refused), models and datetimes (`_json_default`), ...
-            out = json.dumps(
-                body,
-                ensure_ascii=False,
-                separators=(",", ":"),
-                allow_nan=False,
-                default=_json_default,
-            ).encode()
-        return out
-
-    def _sdk_request(self, content: bytes) -> http.Request:
-        """The httpx request for `content` that the SDK's exceptions are made with."""
-        return http.Request("POST", self._url, headers=self._request_headers(), content=content)
-
-    def _transport_error(self, exc: BaseException, request: http.Request) -> openai.APIError:
-        """The SDK's exception for a transport failure (`exc` is its cause)."""
-        if is_timeout(exc):
-            return openai.APITimeoutError(request=request)
-        return openai.APIConnectionError(request=request)
-
-    async def _send(self, body: dict[str, Any]) -> _Body:
-        """POST the body and return the raw, unread HTTP response of a 2xx answer.
-
-        The request is what the SDK's `chat.completions.create` sends (its URL, headers,
-        timeouts and JSON encoding, built once per client by `_request_headers`), sent
-        without the SDK's per-request machinery (options models, parameter transforms,
-        retry loop), which cost more than the rest of a proxied call: on the client's own
-        connection pool when it has one, else on the httpx client (`_send_http`).
-        Failures are the SDK's exceptions, made as the SDK makes them: `APIStatusError`
-        subclasses for non-2xx answers, `APITimeoutError` and `APIConnectionError` for
-        transport failures. The body is read by the caller, as plain JSON, which is far
-        cheaper per chunk than the SDK's models and lets the stream be checked for
-        `[DONE]`, keep-alives and error events.
-
-        On the pool there is no httpx request or response unless it fails: the pool
-        raises httpx transport errors, which become the SDK's as on any httpx transport,
-        and a non-2xx answer is read, closed and handed to the SDK as an httpx response.
-        (Written here rather than in a helper coroutine: each await level is resumed on
-        every wake.)
-        """
-        content = self._encode(body)
-        pool = self._pool
-        if pool is None:
-            return await self._send_http(content)
-        try:
-            response = await pool.post(self._raw_request_headers(), content)
-        except http.RequestError as exc:
-            raise self._transport_error(exc, self._sdk_request(content)) from exc
-        # The pool drops the connection when interrupted before the response is returned,
-        # and nothing here waits between getting the response and returning it but the
-        # reading of an error answer (which closes it whatever happens).
-        if not 200 <= response.status < 300:
-            await self._raise_for_status(response, content)
-        return response
-
-    async def _raise_for_status(self, response: H1Response, content: bytes) -> NoReturn:
-        """Read and close a non-2xx answer, and raise the SDK's error for it."""
-        try:
-            raw = await response.aread()
-        finally:
-            await response.aclose()
-        raise self._client._make_status_error_from_response(
-            response.to_httpx(raw, self._sdk_request(content))
-        ) from None
-
-    async def _send_http(self, content: bytes) -> http.Response:
-        """`_send` on the httpx client (a given `http_client`, or the plain httpx one)."""
-        opened: list[http.Response] = []
-        token = _OPENED.set(opened)
-        request: http.Request | None = None
-        try:
-            request = http.Request(
-                "POST",
-                self._url,
-                headers=self._request_headers(),
-                content=content,
-                extensions=self._extensions,
-            )
-            if self._http.cookies:
-                http.Cookies(self._http.cookies).set_cookie_header(request)
-            try:
-                response = await self._http.send(request, stream=True)
-            except (http.RequestError, ssl.SSLError, anyio.EndOfStream) as exc:
-                raise self._transport_error(exc, request) from exc
-            if not response.is_success:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                raise self._client._make_status_error_from_response(response) from None
-            return response
-        except BaseException:
-            # Interrupted (cancelled, timed out) after the response headers arrived but
-            # before it was handed over: close what was opened so the connection goes at
-            # once instead of lingering until garbage collection.
-            for opened_response in opened:
-                if not opened_response.is_closed:
-                    await _close_quietly(opened_response)
-            raise
-        finally:
-            _OPENED.reset(token)
 
     def _translate(
         self, exc: BaseException, *, in_stream: bool = False, after_output: bool = False
