@@ -35,6 +35,7 @@ from chatroute.providers import (
     UpstreamStreamError,
     classify,
 )
+from chatroute.providers._http import http
 from chatroute.providers.anthropic_messages import (
     AnthropicChatClient,
     build_anthropic_request,
@@ -238,7 +239,7 @@ def test_response_mapping_of_blocks_usage_and_stop_reasons() -> None:
 # ---------------------------------------------------------------------------- over HTTP
 
 
-async def test_answer_over_http_with_the_sdk(up: FakeAnthropic) -> None:
+async def test_answer_over_http(up: FakeAnthropic) -> None:
     up.script(
         Ok(
             "It is sunny.",
@@ -449,3 +450,102 @@ async def test_closed_client_refuses_calls(up: FakeAnthropic) -> None:
     await client.aclose()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         await client.get_response(USER)
+
+
+# ---------------------------------------------------------------------------- transport
+
+# Headers the transport itself writes (or the SDK sends with a placeholder value).
+_TRANSPORT_HEADERS = {"host", "content-length", "connection", "accept-encoding"}
+
+
+async def test_requests_carry_the_headers_the_sdk_sends(up: FakeAnthropic) -> None:
+    """The client sends without the SDK's per-request machinery, so it must send what the
+    SDK's `messages.create` sends: its auth, version, user agent and platform headers."""
+    import anthropic
+
+    up.script(Ok("one"), Ok("two"))
+    timeout = http.Timeout(connect=5.0, read=300.0, write=30.0, pool=10.0)  # the client's
+    sdk = anthropic.AsyncAnthropic(api_key=SECRET, base_url=up.url, max_retries=0, timeout=timeout)
+    async with sdk:
+        await sdk.messages.create(
+            model="claude-test", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+        )
+    async with _client(up, api_key=SECRET) as client:
+        await client.get_response(USER)
+    by_sdk, ours = (
+        {k: v for k, v in r.headers.items() if k not in _TRANSPORT_HEADERS} for r in up.requests
+    )
+    by_sdk.pop("x-stainless-timeout", None)  # the SDK sends it as "NOT_GIVEN"
+    assert ours == by_sdk
+    assert SECRET in " ".join(ours.values()) and "anthropic-version" in ours
+
+
+async def test_a_given_http_client_carries_the_calls(up: FakeAnthropic) -> None:
+    up.script(Ok("over httpx"), Ok("streamed over httpx"), Status(503))
+    async with http.AsyncClient() as http_client:
+        async with _client(up, http_client=http_client) as client:
+            assert client._pool is None
+            response = await client.get_response(USER)
+            updates = await _collect(client)
+            with pytest.raises(ProviderServerError):
+                await client.get_response(USER)
+        assert not http_client.is_closed  # not owned: left open
+    assert response.text == "over httpx"
+    assert "".join(u.text for u in updates) == "streamed over httpx"
+    assert [r.json["stream"] for r in up.requests] == [False, True, False]
+
+
+async def test_pings_and_unknown_events_are_skipped() -> None:
+    """A stream as the API may send it: pings, and an event type this client does not
+    know, between the ones it reads."""
+    events = [
+        ("message_start", {"type": "message_start", "message": {"id": "m1", "model": "c"}}),
+        ("ping", {"type": "ping"}),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
+        ("future_event", {"type": "future_event", "anything": [1, 2]}),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": "hello"},
+            },
+        ),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn"},
+                "usage": {"output_tokens": 1},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    body = b"".join(
+        b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode())
+        for name, data in events
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, AnthropicChatClient("c", base_url=f"http://127.0.0.1:{port}") as client:
+        updates = await _collect(client)
+    assert "".join(u.text for u in updates) == "hello"
+    assert updates[-1].finish_reason is ChatFinishReason.STOP

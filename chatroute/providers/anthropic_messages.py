@@ -1,4 +1,4 @@
-"""AnthropicChatClient: a provider for Anthropic's Messages API over the official `anthropic` SDK.
+"""AnthropicChatClient: Anthropic's Messages API, sending the requests the `anthropic` SDK sends.
 
 Installed with the `anthropic` extra (`pip install "chatroute[anthropic]"`); importing this
 module without the SDK raises an `ImportError` that says so.
@@ -18,6 +18,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         'AnthropicChatClient needs the anthropic SDK: pip install "chatroute[anthropic]"'
     ) from exc
 
+from chatroute._json import loads as json_loads
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import (
     ChatFinishReason,
@@ -35,6 +36,14 @@ from chatroute.chat.types import (
 )
 from chatroute.providers._checks import check_call_args, check_client_args
 from chatroute.providers._http import http
+from chatroute.providers._sdk_http import (
+    SDKTransport,
+    _Body,
+    _close_uninterruptibly,
+    _pooled_http_client,
+    _SSEReader,
+    _ssl_context,
+)
 from chatroute.providers.errors import (
     MalformedResponseError,
     ProviderBadRequestError,
@@ -358,6 +367,28 @@ def response_from_anthropic(message: Any, *, provider: str | None = None) -> Cha
 # ---------------------------------------------------------------------------- errors
 
 
+def in_band_error(
+    body: Any,
+    *,
+    provider: str | None,
+    secrets: tuple[str, ...] = (),
+    after_output: bool = False,
+    fallback: str | None = None,
+) -> UpstreamStreamError:
+    """The error for an `error` event of a stream (or an error object answered with a 200):
+    `body` is the event's JSON, `fallback` the text used when it holds no message."""
+    etype, code, message = _error_fields(body)
+    text = message or fallback
+    return UpstreamStreamError(
+        f"the upstream sent an error event: {redact(text, secrets) if text else 'error event'}",
+        error_type=etype,
+        error_code=code,
+        error_message=redact(message, secrets) if message is not None else None,
+        provider=provider,
+        after_output=after_output,
+    )
+
+
 def translate_anthropic_error(
     exc: BaseException,
     *,
@@ -381,17 +412,16 @@ def translate_anthropic_error(
 
     common: dict[str, Any] = {"provider": provider, "after_output": after_output}
     if isinstance(exc, anthropic.APIStatusError):
-        etype, code, message = _error_fields(exc.body)
         status = exc.status_code
         if status < 400:  # an `error` event in a 200 stream
-            text = clean(message or exc.message) or "error event"
-            return UpstreamStreamError(
-                f"the upstream sent an error event: {text}",
-                error_type=etype,
-                error_code=code,
-                error_message=clean(message),
-                **common,
+            return in_band_error(
+                exc.body,
+                provider=provider,
+                secrets=secrets,
+                after_output=after_output,
+                fallback=exc.message,
             )
+        etype, code, message = _error_fields(exc.body)
         headers = exc.response.headers
         return status_error(
             status,
@@ -420,8 +450,9 @@ def translate_anthropic_error(
 # ---------------------------------------------------------------------------- the client
 
 
-class AnthropicChatClient(ChatClient):
-    """A provider for Anthropic's Messages API (`POST /v1/messages`) over the `anthropic` SDK.
+class AnthropicChatClient(SDKTransport, ChatClient):
+    """A provider for Anthropic's Messages API (`POST /v1/messages`), as the `anthropic` SDK
+    sends it.
 
     Requests and answers are translated to and from chatroute's types
     (`build_anthropic_request`, `response_from_anthropic`): system messages become the
@@ -447,7 +478,17 @@ class AnthropicChatClient(ChatClient):
     `pool`); per-attempt, first-token and stall limits come from wrapping the client in
     `TimeoutChatClient` (the service does). `api_key` is sent as the SDK sends it; without
     one no credentials are sent at all (nor does the SDK read ANTHROPIC_API_KEY by itself).
+
+    The request is the one the SDK's `messages.create` sends (URL, headers, JSON body),
+    sent without the SDK's per-request machinery, and the answer is read as plain JSON or
+    server-sent events (`SDKTransport`): on the client's own connection pool when it owns
+    its HTTP client, else on the `http_client` given. Failures are the SDK's exceptions,
+    translated as described above. The own pool follows no redirects and reads no proxy
+    settings from the environment; give an `http_client` for those.
     """
+
+    _sdk_timeout_error = anthropic.APITimeoutError
+    _sdk_connection_error = anthropic.APIConnectionError
 
     def __init__(
         self,
@@ -491,20 +532,25 @@ class AnthropicChatClient(ChatClient):
         timeout = http.Timeout(
             connect=connect_timeout, read=read_timeout, write=write_timeout, pool=pool_timeout
         )
+        self.read_timeout = read_timeout
         self._owns_http = http_client is None
+        tls = None
         if http_client is None:
-            http_client = anthropic.DefaultAsyncHttpxClient(
+            tls = _ssl_context(True)
+            http_client = _pooled_http_client(
                 timeout=timeout,
                 limits=http.Limits(
                     max_connections=max_connections,
                     max_keepalive_connections=max_keepalive_connections,
                     keepalive_expiry=keepalive_expiry,
                 ),
+                verify=tls,
             )
         headers = dict(default_headers or {})
         if not api_key:
             headers["Authorization"] = anthropic.omit  # type: ignore[assignment]
-        self._client = anthropic.AsyncAnthropic(
+        self._extra_headers = {}
+        sdk = anthropic.AsyncAnthropic(
             # An explicit key (or a placeholder that is never sent): the SDK must not
             # pick one up from the environment by itself.
             api_key=api_key or "unused",
@@ -515,6 +561,16 @@ class AnthropicChatClient(ChatClient):
             default_query=dict(default_query) if default_query else None,
             http_client=http_client,
         )
+        self._init_transport(
+            sdk,
+            http_client,
+            b"v1/messages",
+            timeout,
+            default_query=default_query,
+            tls=tls,
+            max_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -523,12 +579,16 @@ class AnthropicChatClient(ChatClient):
         )
 
     async def aclose(self) -> None:
-        """Close the SDK client and its HTTP connections, when owned; idempotent."""
+        """Close the connection pool and the SDK's HTTP client, when owned; idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._owns_http:
-            await self._client.close()
+            try:
+                if self._pool is not None:
+                    await self._pool.aclose()
+            finally:
+                await self._http.aclose()
 
     def _request(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None
@@ -561,28 +621,47 @@ class AnthropicChatClient(ChatClient):
     def _translate(self, exc: BaseException, **kw: Any) -> BaseException:
         return translate_anthropic_error(exc, provider=self.name, secrets=self._secrets, **kw)
 
-    async def _create(self, body: dict[str, Any], *, stream: bool) -> Any:
-        """POST the body through the SDK; the typed error on failure."""
-        # The body goes as the SDK's extra body: it is sent as built, including fields
-        # this SDK version has no parameter for.
-        model = body.pop("model")
-        max_tokens = body.pop("max_tokens")
-        messages = body.pop("messages")
+    def _error_event(self, data: Any, *, after_output: bool) -> ProviderError:
+        """The error for an `error` event (or an error object answered with a 200)."""
+        fallback = json.dumps(data) if data is not None else None
+        return in_band_error(
+            data,
+            provider=self.name,
+            secrets=self._secrets,
+            after_output=after_output,
+            fallback=fallback,
+        )
+
+    async def _start(self, body: dict[str, Any], *, stream: bool) -> _Body:
+        """POST the request; the unread response of a 2xx answer, else the typed error."""
+        body["stream"] = stream
         try:
-            return await self._client.messages.create(
-                model=model,
-                max_tokens=max_tokens,
-                messages=messages,
-                stream=stream,
-                extra_body=body,
-            )
+            return await self._send(body)
         except Exception as exc:
             raise self._translate(exc) from exc
 
     async def get_response(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> ChatResponse:
-        message = await self._create(self._request(messages, options), stream=False)
+        response = await self._start(self._request(messages, options), stream=False)
+        try:
+            raw = await response.aread()
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        finally:
+            await _close_uninterruptibly(response)
+        try:
+            message = json_loads(raw)
+        except ValueError as exc:
+            raise MalformedResponseError(
+                f"the upstream answer is not JSON ({exc})", provider=self.name
+            ) from exc
+        if not isinstance(message, dict):
+            raise MalformedResponseError(
+                "the upstream answer is not a JSON object", provider=self.name
+            )
+        if message.get("type") == "error":
+            raise self._error_event(message, after_output=False)
         try:
             return response_from_anthropic(message, provider=self.name)
         except (ValueError, TypeError, AttributeError) as exc:
@@ -594,19 +673,38 @@ class AnthropicChatClient(ChatClient):
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> AsyncIterator[ChatResponseUpdate]:
         body = self._request(messages, options)
-        stream = await self._create(body, stream=True)
+        response = await self._start(body, stream=True)
         state = _StreamState(self.name)
         try:
-            events = stream.__aiter__()
+            events = _SSEReader(response.aiter_bytes())
             while True:
                 try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    break
+                    event = await events.next()
                 except Exception as exc:
                     raise self._translate(exc, in_stream=True, after_output=state.sent) from exc
+                if event is None:
+                    break
+                name, data = event
+                if name not in _STREAM_EVENTS:
+                    continue  # ping, and events this client does not know
                 try:
-                    update = state.update_for(event)
+                    payload = json_loads(data)
+                except ValueError as exc:
+                    raise MalformedResponseError(
+                        f"the upstream sent an event that is not JSON ({exc})",
+                        provider=self.name,
+                        after_output=state.sent,
+                    ) from exc
+                if name == "error":
+                    raise self._error_event(payload, after_output=state.sent)
+                if not isinstance(payload, dict):
+                    raise MalformedResponseError(
+                        "the upstream sent an event that is not a JSON object",
+                        provider=self.name,
+                        after_output=state.sent,
+                    )
+                try:
+                    update = state.update_for(payload)
                 except (ValueError, TypeError, AttributeError) as exc:
                     raise MalformedResponseError(
                         f"the upstream sent a malformed event ({exc})",
@@ -625,7 +723,21 @@ class AnthropicChatClient(ChatClient):
                     after_output=state.sent,
                 )
         finally:
-            await stream.close()
+            await _close_uninterruptibly(response)
+
+
+# The stream events read (as the SDK reads them); `ping` and unknown events are skipped.
+_STREAM_EVENTS = frozenset(
+    {
+        "message_start",
+        "message_delta",
+        "message_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "error",
+    }
+)
 
 
 class _StreamState:
