@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -495,19 +497,42 @@ async def test_a_given_http_client_carries_the_calls(up: FakeAnthropic) -> None:
     assert [r.json["stream"] for r in up.requests] == [False, True, False]
 
 
+@contextlib.asynccontextmanager
+async def _raw_stream(events: list[tuple[str, Any]]) -> AsyncIterator[str]:
+    """A one-shot upstream that answers with these server-sent events (JSON data, or text
+    as it is); its base URL."""
+    body = b"".join(
+        b"event: %s\ndata: %s\n\n"
+        % (name.encode(), data.encode() if isinstance(data, str) else json.dumps(data).encode())
+        for name, data in events
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+_START = ("message_start", {"type": "message_start", "message": {"id": "m1", "model": "c"}})
+
+
 async def test_pings_and_unknown_events_are_skipped() -> None:
     """A stream as the API may send it: pings, and an event type this client does not
     know, between the ones it reads."""
     events = [
-        ("message_start", {"type": "message_start", "message": {"id": "m1", "model": "c"}}),
+        _START,
         ("ping", {"type": "ping"}),
         (
             "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": {"type": "text", "text": ""},
-            },
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
         ),
         ("future_event", {"type": "future_event", "anything": [1, 2]}),
         (
@@ -529,23 +554,22 @@ async def test_pings_and_unknown_events_are_skipped() -> None:
         ),
         ("message_stop", {"type": "message_stop"}),
     ]
-    body = b"".join(
-        b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode())
-        for name, data in events
-    )
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server, AnthropicChatClient("c", base_url=f"http://127.0.0.1:{port}") as client:
+    async with _raw_stream(events) as url, AnthropicChatClient("c", base_url=url) as client:
         updates = await _collect(client)
     assert "".join(u.text for u in updates) == "hello"
     assert updates[-1].finish_reason is ChatFinishReason.STOP
+
+
+async def test_an_error_event_that_is_not_json_is_still_an_upstream_error() -> None:
+    events = [_START, ("error", "upstream overloaded, try later")]
+    async with _raw_stream(events) as url, AnthropicChatClient("c", base_url=url) as client:
+        with pytest.raises(UpstreamStreamError, match="upstream overloaded") as info:
+            await _collect(client)
+    assert info.value.after_output is False
+
+
+async def test_an_event_that_is_not_a_json_object_is_malformed() -> None:
+    async with _raw_stream([_START, ("content_block_delta", [1, 2])]) as url:
+        async with AnthropicChatClient("c", base_url=url) as client:
+            with pytest.raises(MalformedResponseError, match="not a JSON object"):
+                await _collect(client)

@@ -623,7 +623,7 @@ class AnthropicChatClient(SDKTransport, ChatClient):
 
     def _error_event(self, data: Any, *, after_output: bool) -> ProviderError:
         """The error for an `error` event (or an error object answered with a 200)."""
-        fallback = json.dumps(data) if data is not None else None
+        fallback = data if isinstance(data, str) else json.dumps(data)
         return in_band_error(
             data,
             provider=self.name,
@@ -687,6 +687,12 @@ class AnthropicChatClient(SDKTransport, ChatClient):
                 name, data = event
                 if name not in _STREAM_EVENTS:
                     continue  # ping, and events this client does not know
+                if name == "error":  # its data is the error's JSON, or else its text
+                    try:
+                        error: Any = json_loads(data)
+                    except ValueError:
+                        error = data
+                    raise self._error_event(error, after_output=state.sent)
                 try:
                     payload = json_loads(data)
                 except ValueError as exc:
@@ -695,8 +701,6 @@ class AnthropicChatClient(SDKTransport, ChatClient):
                         provider=self.name,
                         after_output=state.sent,
                     ) from exc
-                if name == "error":
-                    raise self._error_event(payload, after_output=state.sent)
                 if not isinstance(payload, dict):
                     raise MalformedResponseError(
                         "the upstream sent an event that is not a JSON object",
