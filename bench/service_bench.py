@@ -26,8 +26,8 @@ c. `/v1/classify` in batches of `--batch` (256) inputs, one request at a time, a
    in-process `route_batch` (an engine built from the same config in this process, the
    same batches).
 
-With `--provider anthropic` the route's provider is an Anthropic one (`type: anthropic`,
-the `anthropic` SDK) on the same upstream's Messages endpoint, and only section a. runs:
+With `--provider anthropic` the route's provider is an Anthropic one (`type: anthropic`)
+on the same upstream's Messages endpoint, and only section a. runs:
 the direct arm then calls `/v1/messages` in Anthropic's format, and the chatroute arm
 still speaks the OpenAI wire format to the service, which translates both ways. Its result
 goes to the `service-anthropic` section of BENCHMARKS.md.
@@ -87,7 +87,7 @@ def _free_port() -> int:
 def _service_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CHATROUTE_API_KEYS", None)  # /v1 open: no auth in the measured path
-    env[BENCH_KEY_ENV] = "bench-key"  # an Anthropic provider's SDK wants some key
+    env[BENCH_KEY_ENV] = "bench-key"  # the Anthropic provider sends a key, as a real one does
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -642,8 +642,8 @@ def run(args: argparse.Namespace) -> str:
     if args.provider == "anthropic":
         title = "## Service with an Anthropic provider (proxy overhead)"
         provider = (
-            "an Anthropic provider (`type: anthropic`, the `anthropic` SDK); the direct arm "
-            "calls the upstream's `/v1/messages` in Anthropic's format"
+            "an Anthropic provider (`type: anthropic`); the direct arm calls the upstream's "
+            "`/v1/messages` in Anthropic's format"
         )
     header = [
         title,
