@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import ssl
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, ClassVar, NoReturn, Protocol
+from urllib.parse import urlsplit
 
 import anyio
 import pydantic
@@ -32,7 +34,7 @@ from chatroute.providers._h1 import H1Pool, H1Response
 from chatroute.providers._http import http
 from chatroute.providers.errors import is_timeout
 
-__all__ = ["SDKTransport"]
+__all__ = ["SDKTransport", "env_proxy"]
 
 _log = logging.getLogger(__name__)
 
@@ -99,16 +101,34 @@ def _ssl_context(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=verify)
 
 
+def env_proxy(url: str) -> str | None:
+    """The proxy the environment names for `url`, as curl and httpx read it: `HTTPS_PROXY`
+    / `HTTP_PROXY` for the URL's scheme, else `ALL_PROXY` (either case), unless `NO_PROXY`
+    names the host; None when there is none."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or not parts.hostname:
+        return None
+    host = parts.netloc.rpartition("@")[2]
+    if urllib.request.proxy_bypass(host):  # NO_PROXY (no_proxy)
+        return None
+    return proxy
+
+
 def _pooled_http_client(
-    *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext
+    *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext, proxied: bool = False
 ) -> http.AsyncClient:
     """The httpx client the SDK client of an owned provider is built on.
 
-    The provider sends on its own `_h1.H1Pool`; this client sends nothing. It carries
-    the settings the SDK reads (default headers, timeouts) and is closed with the provider.
+    The provider sends on its own `_h1.H1Pool`, and this client sends nothing: it carries
+    the settings the SDK reads (default headers, timeouts) and is closed with the
+    provider. A provider whose endpoint the environment routes through a proxy
+    (`env_proxy`) sends on this client instead, which then reads the environment's proxy
+    settings (`proxied`); the own pool speaks to no proxy.
     """
     return http.AsyncClient(
-        timeout=timeout, limits=limits, follow_redirects=False, trust_env=False, verify=verify
+        timeout=timeout, limits=limits, follow_redirects=False, trust_env=proxied, verify=verify
     )
 
 
@@ -234,9 +254,9 @@ class SDKTransport:
     ) -> None:
         """Set the transport up, once the SDK client `sdk` (on `http_client`) exists.
 
-        The endpoint is `path` below the SDK's base URL, with the default query; with `tls`
-        (the client owns its HTTP client) requests go on a connection pool of its own, made
-        here, else on `http_client`.
+        The endpoint is `path` below the SDK's base URL, with the default query. With `tls`
+        (the client owns its HTTP client and no proxy stands in the way) requests go on a
+        connection pool of its own, made here, with that TLS context; else on `http_client`.
         """
         self._client = sdk
         self._http = http_client

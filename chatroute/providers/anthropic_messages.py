@@ -43,6 +43,7 @@ from chatroute.providers._sdk_http import (
     _pooled_http_client,
     _SSEReader,
     _ssl_context,
+    env_proxy,
 )
 from chatroute.providers.errors import (
     MalformedResponseError,
@@ -483,8 +484,9 @@ class AnthropicChatClient(SDKTransport, ChatClient):
     sent without the SDK's per-request machinery, and the answer is read as plain JSON or
     server-sent events (`SDKTransport`): on the client's own connection pool when it owns
     its HTTP client, else on the `http_client` given. Failures are the SDK's exceptions,
-    translated as described above. The own pool follows no redirects and reads no proxy
-    settings from the environment; give an `http_client` for those.
+    translated as described above. When the environment routes the endpoint through a
+    proxy (`HTTPS_PROXY` / `HTTP_PROXY` / `ALL_PROXY`, less `NO_PROXY`), requests go on an
+    httpx client that uses it instead of the own pool. No redirects are followed.
     """
 
     _sdk_timeout_error = anthropic.APITimeoutError
@@ -537,6 +539,7 @@ class AnthropicChatClient(SDKTransport, ChatClient):
         tls = None
         if http_client is None:
             tls = _ssl_context(True)
+            proxied = env_proxy(self.base_url) is not None
             http_client = _pooled_http_client(
                 timeout=timeout,
                 limits=http.Limits(
@@ -545,7 +548,10 @@ class AnthropicChatClient(SDKTransport, ChatClient):
                     keepalive_expiry=keepalive_expiry,
                 ),
                 verify=tls,
+                proxied=proxied,
             )
+            if proxied:  # the httpx client speaks to the proxy; the own pool would not
+                tls = None
         headers = dict(default_headers or {})
         if not api_key:
             headers["Authorization"] = anthropic.omit  # type: ignore[assignment]

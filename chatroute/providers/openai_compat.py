@@ -34,6 +34,7 @@ from chatroute.providers._sdk_http import (
     _pooled_http_client,
     _SSEReader,
     _ssl_context,
+    env_proxy,
 )
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
@@ -242,6 +243,7 @@ class OpenAIChatClient(SDKTransport, ChatClient):
         tls: ssl.SSLContext | None = None  # one context for both owned clients
         if http_client is None:
             tls = _ssl_context(verify)
+            proxied = env_proxy(self.base_url) is not None
             http_client = _pooled_http_client(
                 timeout=timeout,
                 limits=http.Limits(
@@ -250,7 +252,10 @@ class OpenAIChatClient(SDKTransport, ChatClient):
                     keepalive_expiry=keepalive_expiry,
                 ),
                 verify=tls,
+                proxied=proxied,
             )
+            if proxied:  # the httpx client speaks to the proxy; the own pool would not
+                tls = None
         self._extra_headers = {}
         if not api_key:
             # No key: send no Authorization header at all (local servers, vLLM, Ollama).
