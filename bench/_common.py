@@ -29,6 +29,15 @@ def load_clinc150() -> dict[str, list[tuple[str, str]]]:
     return {k: [(t, i) for t, i in v] for k, v in raw.items()}
 
 
+def local_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with 127.0.0.1 and localhost added to NO_PROXY (both spellings): the benches
+    run everything on this machine, and a proxy set in the environment must not stand in
+    between."""
+    for name in ("NO_PROXY", "no_proxy"):
+        env[name] = ",".join(filter(None, ["127.0.0.1,localhost", env.get(name)]))
+    return env
+
+
 def machine() -> str:
     """A one-line description of the machine the bench runs on."""
     cpu = platform.processor() or platform.machine()

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 import yaml
 
-from bench._common import REPO, command, machine, pct, table, write_section
+from bench._common import REPO, command, local_env, machine, pct, table, write_section
 from tests.fakes import (
     Behaviour,
     Cut,
@@ -303,7 +303,7 @@ class Service:
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = local_env({**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         self.log = open(Path(self.dir.name) / "service.log", "w+b")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVE, str(path), str(self.port)],

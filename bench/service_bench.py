@@ -68,7 +68,16 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, command, load_clinc150, machine, pct, table, write_section
+from bench._common import (
+    REPO,
+    command,
+    load_clinc150,
+    local_env,
+    machine,
+    pct,
+    table,
+    write_section,
+)
 
 QUESTION = "How do I reverse a list in Python?"
 BENCH_KEY_ENV = "CHATROUTE_BENCH_PROVIDER_KEY"
@@ -89,7 +98,7 @@ def _service_env() -> dict[str, str]:
     env.pop("CHATROUTE_API_KEYS", None)  # /v1 open: no auth in the measured path
     env[BENCH_KEY_ENV] = "bench-key"  # the Anthropic provider sends a key, as a real one does
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    return local_env(env)
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -13,6 +14,12 @@ import numpy as np
 import pytest
 
 from chatroute.chat import EmbeddingFingerprint, EmbeddingGenerator
+
+# The tests' upstreams listen on 127.0.0.1: a proxy set in the environment of the machine
+# running them must not stand in between (tests/test_provider_proxy.py sets its own).
+for _name in ("http_proxy", "https_proxy", "all_proxy"):
+    os.environ.pop(_name, None)
+    os.environ.pop(_name.upper(), None)
 
 
 class BorrowedEmbedder(EmbeddingGenerator):
