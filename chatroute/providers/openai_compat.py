@@ -157,13 +157,15 @@ class OpenAIChatClient(SDKTransport, ChatClient):
     (errors are then the SDK's, made from the httpx errors the pool raises); the SDK
     client's own httpx client sends nothing then. A given `http_client` is used as it is:
     the request is an httpx one sent on that client. The owned pool keeps no cookies: what
-    an upstream sets for one call is never sent with another.
+    an upstream sets for one call is never sent with another. When the environment routes
+    `base_url` through a proxy (`HTTPS_PROXY` / `HTTP_PROXY` / `ALL_PROXY`, less
+    `NO_PROXY`), an owned client sends on an httpx client that uses it instead of the pool.
     """
 
     _sdk_timeout_error = openai.APITimeoutError
+    _sdk_connection_error = openai.APIConnectionError
     # What the SDK sends for a raw streamed response, which is how this client reads one.
     _sdk_call_headers = {"X-Stainless-Raw-Response": "stream"}
-    _sdk_connection_error = openai.APIConnectionError
 
     def __init__(
         self,
