@@ -116,20 +116,38 @@ def env_proxy(url: str) -> str | None:
     return proxy
 
 
-def _pooled_http_client(
-    *, timeout: http.Timeout, limits: http.Limits, verify: ssl.SSLContext, proxied: bool = False
-) -> http.AsyncClient:
-    """The httpx client the SDK client of an owned provider is built on.
+def _owned_http_client(
+    url: str,
+    *,
+    timeout: http.Timeout,
+    verify: bool | str | ssl.SSLContext,
+    max_connections: int,
+    max_keepalive_connections: int,
+    keepalive_expiry: float,
+) -> tuple[http.AsyncClient, ssl.SSLContext | None]:
+    """The httpx client an owned provider's SDK client is built on, and the TLS context of
+    the provider's own connection pool (None: the provider sends on the httpx client).
 
-    The provider sends on its own `_h1.H1Pool`, and this client sends nothing: it carries
-    the settings the SDK reads (default headers, timeouts) and is closed with the
-    provider. A provider whose endpoint the environment routes through a proxy
-    (`env_proxy`) sends on this client instead, which then reads the environment's proxy
-    settings (`proxied`); the own pool speaks to no proxy.
+    The provider sends on its own `_h1.H1Pool`, and the httpx client sends nothing: it
+    carries the settings the SDK reads (default headers, timeouts) and is closed with the
+    provider. When the environment routes `url` through a proxy (`env_proxy`), the own
+    pool, which speaks to no proxy, is not used: the httpx client sends, reading the
+    environment's proxy settings.
     """
-    return http.AsyncClient(
-        timeout=timeout, limits=limits, follow_redirects=False, trust_env=proxied, verify=verify
+    tls = _ssl_context(verify)
+    proxied = env_proxy(url) is not None
+    client = http.AsyncClient(
+        timeout=timeout,
+        limits=http.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_keepalive_connections,
+            keepalive_expiry=keepalive_expiry,
+        ),
+        follow_redirects=False,
+        trust_env=proxied,
+        verify=tls,
     )
+    return client, (None if proxied else tls)
 
 
 def _json_default(value: object) -> Any:
@@ -284,6 +302,14 @@ class SDKTransport:
                 pool_timeout=timeout.pool,
                 write_timeout=timeout.write,
             )
+
+    async def _close_transport(self) -> None:
+        """Close the own connection pool, if any, and the httpx client."""
+        try:
+            if self._pool is not None:
+                await self._pool.aclose()
+        finally:
+            await self._http.aclose()
 
     def _request_headers(self) -> http.Headers:
         """The headers the SDK sends on a call of the endpoint, computed once per client.

@@ -40,10 +40,8 @@ from chatroute.providers._sdk_http import (
     SDKTransport,
     _Body,
     _close_uninterruptibly,
-    _pooled_http_client,
+    _owned_http_client,
     _SSEReader,
-    _ssl_context,
-    env_proxy,
 )
 from chatroute.providers.errors import (
     MalformedResponseError,
@@ -536,22 +534,16 @@ class AnthropicChatClient(SDKTransport, ChatClient):
         )
         self.read_timeout = read_timeout
         self._owns_http = http_client is None
-        tls = None
+        tls = None  # the own pool's, when it sends
         if http_client is None:
-            tls = _ssl_context(True)
-            proxied = env_proxy(self.base_url) is not None
-            http_client = _pooled_http_client(
+            http_client, tls = _owned_http_client(
+                self.base_url,
                 timeout=timeout,
-                limits=http.Limits(
-                    max_connections=max_connections,
-                    max_keepalive_connections=max_keepalive_connections,
-                    keepalive_expiry=keepalive_expiry,
-                ),
-                verify=tls,
-                proxied=proxied,
+                verify=True,
+                max_connections=max_connections,
+                max_keepalive_connections=max_keepalive_connections,
+                keepalive_expiry=keepalive_expiry,
             )
-            if proxied:  # the httpx client speaks to the proxy; the own pool would not
-                tls = None
         headers = dict(default_headers or {})
         if not api_key:
             headers["Authorization"] = anthropic.omit  # type: ignore[assignment]
@@ -590,11 +582,7 @@ class AnthropicChatClient(SDKTransport, ChatClient):
             return
         self._closed = True
         if self._owns_http:
-            try:
-                if self._pool is not None:
-                    await self._pool.aclose()
-            finally:
-                await self._http.aclose()
+            await self._close_transport()
 
     def _request(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None

@@ -31,10 +31,8 @@ from chatroute.providers._sdk_http import (
     SDKTransport,
     _Body,
     _close_uninterruptibly,
-    _pooled_http_client,
+    _owned_http_client,
     _SSEReader,
-    _ssl_context,
-    env_proxy,
 )
 from chatroute.providers.errors import (
     FirstTokenTimeoutError,
@@ -242,22 +240,16 @@ class OpenAIChatClient(SDKTransport, ChatClient):
             pool=_positive("pool_timeout", pool_timeout),
         )
         self._owns_http = http_client is None
-        tls: ssl.SSLContext | None = None  # one context for both owned clients
+        tls: ssl.SSLContext | None = None  # the own pool's, when it sends
         if http_client is None:
-            tls = _ssl_context(verify)
-            proxied = env_proxy(self.base_url) is not None
-            http_client = _pooled_http_client(
+            http_client, tls = _owned_http_client(
+                self.base_url,
                 timeout=timeout,
-                limits=http.Limits(
-                    max_connections=max_connections,
-                    max_keepalive_connections=max_keepalive_connections,
-                    keepalive_expiry=keepalive_expiry,
-                ),
-                verify=tls,
-                proxied=proxied,
+                verify=verify,
+                max_connections=max_connections,
+                max_keepalive_connections=max_keepalive_connections,
+                keepalive_expiry=keepalive_expiry,
             )
-            if proxied:  # the httpx client speaks to the proxy; the own pool would not
-                tls = None
         self._extra_headers = {}
         if not api_key:
             # No key: send no Authorization header at all (local servers, vLLM, Ollama).
@@ -333,11 +325,7 @@ class OpenAIChatClient(SDKTransport, ChatClient):
             return
         self._closed = True
         if self._owns_http:
-            try:
-                if self._pool is not None:
-                    await self._pool.aclose()
-            finally:
-                await self._http.aclose()
+            await self._close_transport()
 
     def _check_open(self) -> None:
         if self._closed or (self._parent is not None and self._parent._closed):
