@@ -8,8 +8,12 @@ The machine's speed drifts by tens of percent between runs, so a figure from one
 cannot be compared with a figure from another. This checks REV out into a temporary git
 worktree and starts two services on the same fixed-latency upstream, one from REV and one
 from this tree (same config, same Python environment). Requests then rotate over direct /
-REV / this tree at concurrency 1, exactly as section a. of bench/service_bench.py times
-them (full answer, or the first content token), so the two services see the same machine.
+REV / this tree at concurrency 1, in a fresh random order each rotation, exactly as
+section a. of bench/service_bench.py times them (full answer, or the first content
+token), so the two services see the same machine. (A fixed rotation is biased: a service
+called right after the other finds the code they share, the Python runtime and the
+extension modules, warm in the caches, and in a fixed rotation one of them comes second
+more often. With the same code on both sides it showed about 0.1 ms for the one that did.)
 It reports each service's added p50 over direct and its CPU per request. The result goes to
 the `proxy-compare` section of BENCHMARKS.md.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -75,9 +80,13 @@ def compare(arms: dict[str, tuple[int | None, str]], pairs: int, stream: bool) -
             sb._timed_call(clients[name], arms[name][1], body, stream)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu = {name: sb.process_cpu(pid) for name, (pid, _) in arms.items() if pid is not None}
-    for i in range(pairs):
-        turn = i % len(names)
-        for name in names[turn:] + names[:turn]:
+    # A fresh order every rotation: a service called right after the other one finds the
+    # code the two share (the Python runtime, the extension modules) warm in the caches,
+    # so a fixed rotation, in which one of them more often comes second, favours it.
+    order = random.Random(len(names) * pairs + stream)
+    for _ in range(pairs):
+        order.shuffle(names)
+        for name in names:
             times[name].append(sb._timed_call(clients[name], arms[name][1], body, stream))
     for client in clients.values():
         client.close()
@@ -137,7 +146,8 @@ def run(args: argparse.Namespace) -> str:
         f"- Machine: {machine()}; load average {load_before} before, {sb.loadavg()} after.",
         f"- Command: `{command()}`",
         f"- Both services on one fixed {args.delay_ms:g} ms upstream, forced route, "
-        f"concurrency 1; {args.pairs} rotations of direct / revision / this tree per mode.",
+        f"concurrency 1; {args.pairs} rotations of direct / revision / this tree per mode, "
+        f"each in a fresh random order.",
         f"- Revision {revision}: {subject}",
         "",
         table(["service", "timed to", "added p50 ms", "service CPU ms/req"], rows),
