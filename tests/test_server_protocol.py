@@ -447,9 +447,18 @@ async def test_a_body_longer_or_shorter_than_its_length_is_refused_and_the_conne
     ]
 
 
-async def test_header_injection_is_refused() -> None:
+@pytest.mark.parametrize(
+    "header",
+    [
+        (b"x-evil", b"a\r\nset-cookie: b"),
+        (b"x-evil: a\r\nset-cookie", b"b"),
+        (b"x evil", b"b"),
+        (b"x-ok", b"a\nb"),
+    ],
+)
+async def test_header_injection_is_refused(header: tuple[bytes, bytes]) -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        await _answer(send, b"ok", (b"x-evil", b"a\r\nset-cookie: b"))
+        await _answer(send, b"ok", (b"x-fine", b"tab\tand spaces"), header)
 
     raw, protocol = await _connection(app)
     protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")

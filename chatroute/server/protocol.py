@@ -267,11 +267,14 @@ class _Exchange:
         length: int | None = None
         chunked = False
         closing = False
-        for name, value in (*self.protocol.server_state.default_headers, *headers):
-            if _BAD_NAME.search(name):
-                raise RuntimeError("Invalid HTTP header name.")
-            if _BAD_VALUE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
+        pairs = (*self.protocol.server_state.default_headers, *headers)
+        # One search over all the names and one over all the values: a character that is
+        # not allowed shows in the concatenation exactly when it is in one of them.
+        if _BAD_NAME.search(b"".join([name for name, _ in pairs])):
+            raise RuntimeError("Invalid HTTP header name.")
+        if _BAD_VALUE.search(b"".join([value for _, value in pairs])):
+            raise RuntimeError("Invalid HTTP header value.")
+        for name, value in pairs:
             name = name.lower()
             if name == b"content-length" and length is None and not chunked:
                 length = int(value)
