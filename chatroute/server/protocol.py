@@ -6,8 +6,10 @@ header); this is the per-connection protocol it runs when given as its `http` se
 httptools, the C parser uvicorn's own protocol uses, and speaks ASGI 3 (HTTP spec 2.3) to
 the app, but does per request only what a request needs: one scope, one small object
 holding the request's state, one task. On the development machine the whole service
-answered 0.1 to 0.2 ms sooner per proxied call on it than on uvicorn's own httptools
-protocol (`bench/proxy_compare.py`, same-run comparisons; see BENCHMARKS.md).
+used about 0.1 ms less CPU per proxied call on it (0.2 ms per stream) than on uvicorn's
+own httptools protocol; its added latency at concurrency 1 was within 0.06 ms of the
+other's, inside the noise of the measurement (`bench/proxy_compare.py`, one run, calls in
+a random order; see BENCHMARKS.md).
 
 What it does on top:
 
