@@ -5,11 +5,10 @@ header); this is the per-connection protocol it runs when given as its `http` se
 (`uvicorn.run(app, http=HttpProtocol)`, as `chatroute serve` does). It parses with
 httptools, the C parser uvicorn's own protocol uses, and speaks ASGI 3 (HTTP spec 2.3) to
 the app, but does per request only what a request needs: one scope, one small object
-holding the request's state, one task. On the development machine the whole service
-used about 0.1 ms less CPU per proxied call on it (0.2 ms per stream) than on uvicorn's
-own httptools protocol; its added latency at concurrency 1 was within 0.06 ms of the
-other's, inside the noise of the measurement (`bench/proxy_compare.py`, one run, calls in
-a random order; see BENCHMARKS.md).
+holding the request's state, one task. On the development machine, against the last
+revision served on uvicorn's own httptools protocol, the service on it (with the changes
+made since) added 0.03-0.13 ms less latency per proxied call and used 0.1 ms less CPU per
+call, 0.2-0.3 ms per stream (`bench/proxy_compare.py`, two runs; see BENCHMARKS.md).
 
 What it does on top:
 
