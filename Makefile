@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak bench-shared clean
+.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak bench-shared bench-peers peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -86,7 +86,28 @@ bench-soak: $(STAMP)
 bench-shared: $(STAMP) test-deps
 	$(BIN)/python bench/shared_breaker.py
 
+# Peer gateways on this machine, side by side with chatroute (bench/peer_overhead.py).
+# They live outside the project's environments: LiteLLM's proxy in its own virtual
+# environment, Portkey's gateway (Node) under .peers/.
+PEERS_VENV := .venv-peers
+LITELLM_VERSION := 1.105.0
+PORTKEY_VERSION := 1.15.2
+
+$(PEERS_VENV)/.installed:
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet "litellm[proxy]==$(LITELLM_VERSION)"
+	touch $@
+
+.peers/.installed:
+	npm install --prefix .peers --no-audit --no-fund --silent "@portkey-ai/gateway@$(PORTKEY_VERSION)"
+	touch $@
+
+peers: $(PEERS_VENV)/.installed .peers/.installed
+
+bench-peers: $(STAMP) peers
+	$(BIN)/python bench/peer_overhead.py
+
 bench: bench-core bench-routing bench-service bench-soak bench-shared
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(PEERS_VENV) .peers .mypy_cache .ruff_cache .pytest_cache

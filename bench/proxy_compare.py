@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -65,7 +66,15 @@ def start_tree(stack: ExitStack, tree: Path, upstream: int, work: Path, name: st
     return f"{pid} http://127.0.0.1:{port}/v1/chat/completions"
 
 
-def compare(arms: dict[str, tuple[int | None, str]], pairs: int, stream: bool) -> list[str]:
+def compare(
+    arms: dict[str, tuple[int | None, str]],
+    pairs: int,
+    stream: bool,
+    headers: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[list[str]]:
+    """Each arm's added p50 over the `direct` arm and its process's CPU per request (ms),
+    with the arms called in a fresh random order each rotation; `headers` adds headers to
+    an arm's requests (its keys, say)."""
     body = json.dumps(
         {
             "model": "general",
@@ -73,7 +82,8 @@ def compare(arms: dict[str, tuple[int | None, str]], pairs: int, stream: bool) -
             "stream": stream,
         }
     ).encode()
-    clients = {name: httpx.Client(timeout=30) for name in arms}
+    extra = headers or {}
+    clients = {name: httpx.Client(timeout=30, headers=extra.get(name)) for name in arms}
     names = list(arms)
     for _ in range(30):
         for name in names:
