@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import shutil
 import sys
@@ -66,10 +65,12 @@ class Peer:
         self.failure: dict[bool, str] = {}  # stream flag -> why that mode failed
 
 
-def _installed_version(kind: str) -> str:
-    if kind == "litellm":
-        meta = list((PEERS_VENV / "lib").glob("python*/site-packages/litellm-*.dist-info"))
-        return meta[0].name.removesuffix(".dist-info").split("-")[1] if meta else "?"
+def _litellm_version() -> str:
+    meta = list((PEERS_VENV / "lib").glob("python*/site-packages/litellm-*.dist-info"))
+    return meta[0].name.removesuffix(".dist-info").split("-")[1] if meta else "?"
+
+
+def _portkey_version() -> str:
     package = PORTKEY_SERVER.parents[1] / "package.json"
     return str(json.loads(package.read_text(encoding="utf-8")).get("version", "?"))
 
@@ -99,7 +100,7 @@ def _wait_ready(
 
 
 def start_litellm(stack: ExitStack, upstream: int, work: Path) -> Peer:
-    peer = Peer("LiteLLM proxy", _installed_version("litellm"))
+    peer = Peer("LiteLLM proxy", _litellm_version())
     key = "sk-" + secrets.token_hex(32)
     config = {
         "model_list": [
@@ -117,8 +118,6 @@ def start_litellm(stack: ExitStack, upstream: int, work: Path) -> Peer:
     path = work / "litellm.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     port = sb._free_port()
-    os.environ["LITELLM_MASTER_KEY"] = key  # the children take the bench's environment
-    os.environ["LITELLM_LOG"] = "ERROR"
     argv = [
         str(PEERS_VENV / "bin" / "litellm"),
         "--config",
@@ -129,7 +128,8 @@ def start_litellm(stack: ExitStack, upstream: int, work: Path) -> Peer:
         str(port),
     ]
     log = work / "litellm.log"
-    proc = stack.enter_context(sb.running(argv, log=log))
+    env = {"LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR"}
+    proc = stack.enter_context(sb.running(argv, log=log, env=env))
     peer.pid, peer.url = proc.pid, f"http://127.0.0.1:{port}/v1/chat/completions"
     peer.headers = {"authorization": f"Bearer {key}"}
     _wait_ready(peer, proc.poll, log)
@@ -137,13 +137,12 @@ def start_litellm(stack: ExitStack, upstream: int, work: Path) -> Peer:
 
 
 def start_portkey(stack: ExitStack, upstream: int, work: Path) -> Peer:
-    peer = Peer("Portkey AI gateway", _installed_version("portkey"))
+    peer = Peer("Portkey AI gateway", _portkey_version())
     port = sb._free_port()
-    os.environ["NODE_ENV"] = "production"
     node = shutil.which("node") or "node"
     argv = [node, str(PORTKEY_SERVER), f"--port={port}", "--headless"]
     log = work / "portkey.log"
-    proc = stack.enter_context(sb.running(argv, log=log))
+    proc = stack.enter_context(sb.running(argv, log=log, env={"NODE_ENV": "production"}))
     peer.pid, peer.url = proc.pid, f"http://127.0.0.1:{port}/v1/chat/completions"
     peer.headers = {
         "x-portkey-provider": "openai",

@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -102,15 +102,18 @@ def _service_env() -> dict[str, str]:
 
 
 @contextmanager
-def running(argv: list[str], *, log: Path) -> Iterator[subprocess.Popen[str]]:
-    """Run a child process (its own process group), stopping it on exit."""
+def running(
+    argv: list[str], *, log: Path, env: Mapping[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """Run a child process (its own process group), stopping it on exit; `env` adds to
+    the environment it gets."""
     with open(log, "w", encoding="utf-8") as sink:
         proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=sink,
             text=True,
-            env=_service_env(),
+            env={**_service_env(), **(env or {})},
             cwd=REPO,
             start_new_session=True,
         )
