@@ -38,17 +38,19 @@ from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
 from chatroute.server.protocol import connection_of
 from chatroute.server.tracing import RequestTrace, TraceSink, end_trace, start_trace
 from chatroute.server.wire import (
+    ChatCall,
     ChatCompletionRequest,
     ClassifyRequest,
     ConversationInput,
     RouteRequest,
     StreamEncoder,
     WireMessage,
+    chat_call,
     completion_body,
     has_content,
+    plain_chat_call,
     query_text,
     to_chat_messages,
-    to_chat_options,
 )
 
 __all__ = ["ChatrouteApp", "Service", "create_app"]
@@ -804,32 +806,35 @@ def _install_routes(app: FastAPI) -> None:
 
 
 async def _chat_completion(
-    service: Service, scope: Scope, receive: Receive, body: ChatCompletionRequest
+    service: Service, scope: Scope, receive: Receive, request: ChatCompletionRequest | ChatCall
 ) -> Response:
     """Answer a validated chat-completions request (routing, failover, the commit rule)."""
     started = time.perf_counter()
     arrived = asyncio.get_running_loop().time()
-    _check_messages(service, body.messages)
-    caller_timeout = _caller_timeout(service, scope)
-    messages = to_chat_messages(body.messages)
-    options = to_chat_options(body)
-    model = body.model
-    named = _named_route(service, model)
+    if isinstance(request, ChatCall):  # a plain request, read with its limits checked
+        call = request
+        caller_timeout = _caller_timeout(service, scope)
+    else:
+        _check_messages(service, request.messages)
+        caller_timeout = _caller_timeout(service, scope)
+        call = chat_call(request)
+    messages = call.messages
+    options = call.options
+    named = _named_route(service, call.model)
     if named is not None:  # a route named as the model: no routing to wait for
         route_name, client = named
     else:
         decision = await _decide(service, messages)
         route_name, client = service.engine.route_name(decision.client), decision.client
     trace = start_trace(route_name)
-    trace.stream = bool(body.stream)
+    trace.stream = call.stream
     deadline = _deadline_for(service, route_name, caller_timeout, arrived)
     extra = {}
-    ignored = sorted(body.__pydantic_extra__ or {})  # body.model_extra, without the property
+    ignored = call.ignored
     if ignored:
         logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
         extra[IGNORED_HEADER] = _header_list(ignored)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if call.stream:
         return await _stream(
             service,
             scope,
@@ -839,7 +844,7 @@ async def _chat_completion(
             options,
             trace,
             started,
-            include_usage,
+            call.include_usage,
             deadline,
             extra,
         )
@@ -895,7 +900,7 @@ class _ChatEndpoint:
 
     def _validated(
         self, scope: Scope, receive: Receive, admitted: Admitted
-    ) -> tuple[Service, ChatCompletionRequest]:
+    ) -> tuple[Service, ChatCompletionRequest | ChatCall]:
         """The ready service and the validated request, or the APIError to answer.
 
         Not a coroutine: every await level is resumed again each time the request's task
@@ -922,6 +927,12 @@ class _ChatEndpoint:
             service = _ready_service(Request(scope, receive))  # app.state's, else the 503
         if not admitted.body:
             raise _validation_error([{"type": "missing", "loc": ("body",)}])
+        limits = service.config.server
+        call = plain_chat_call(
+            payload, max_messages=limits.max_messages, max_chars=limits.max_message_chars
+        )
+        if call is not None:  # the common plain request: no model to build and convert
+            return service, call
         try:
             # What model_validate runs, without its wrapper.
             body: ChatCompletionRequest = _VALIDATE_CHAT(payload)

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -29,13 +30,16 @@ from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS
 from chatroute.server.errors import APIError
 
 __all__ = [
+    "ChatCall",
     "ChatCompletionRequest",
     "ClassifyRequest",
     "RouteRequest",
     "StreamEncoder",
     "WireMessage",
+    "chat_call",
     "completion_body",
     "has_content",
+    "plain_chat_call",
     "query_text",
     "to_chat_messages",
     "to_chat_options",
@@ -289,6 +293,115 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
         if extra:
             options.additional_properties = extra
     return options
+
+
+@dataclass(slots=True)
+class ChatCall:
+    """A chat-completions request in chatroute's terms: what routing and the providers use."""
+
+    model: str | None
+    messages: list[ChatMessage]
+    options: ChatOptions
+    stream: bool
+    include_usage: bool
+    ignored: list[str]  # the unknown fields the request carried, sorted
+
+
+def chat_call(request: ChatCompletionRequest) -> ChatCall:
+    """A validated request in chatroute's terms (raises APIError on unsupported content)."""
+    stream_options = request.stream_options
+    return ChatCall(
+        model=request.model,
+        messages=to_chat_messages(request.messages),
+        options=to_chat_options(request),
+        stream=bool(request.stream),
+        include_usage=bool(stream_options and stream_options.include_usage),
+        # request.model_extra, without the property
+        ignored=sorted(request.__pydantic_extra__ or {}),
+    )
+
+
+# What `plain_chat_call` reads; a request with any other field goes through the model.
+_PLAIN_FIELDS = frozenset(
+    {"model", "messages", "stream", "temperature", "top_p", "max_tokens"}
+    | {"max_completion_tokens", "seed", "user"}
+)
+_PLAIN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_PLAIN_ROLES = {name: role for name, role in _ROLES.items() if role is not ChatRole.TOOL}
+
+
+def _plain_fraction(value: object, high: float) -> float | None:
+    """A strict float field in [0, high] as the model reads it (an int becomes a float);
+    None when it is out of range, NaN or not a number (the model then says why)."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0 <= value <= high:  # type: ignore[operator]
+        return float(value)  # type: ignore[arg-type]
+    return None
+
+
+def plain_chat_call(data: object, *, max_messages: int, max_chars: int) -> ChatCall | None:
+    """The common plain request read straight from its decoded JSON, or None.
+
+    Plain: only the fields in `_PLAIN_FIELDS`, each of the type the model takes and in its
+    range; messages that are objects with a system, developer, user or assistant role,
+    string content of at most `max_chars` characters and an optional string name; at most
+    `max_messages` of them. For such a request this is exactly `chat_call` of the validated
+    model (tests/test_wire_plain.py checks it against the model on generated requests);
+    anything else gives None and goes through the model, with its errors. It exists for
+    speed: the model's validation and the conversion of its result cost several times
+    this on a proxied call.
+    """
+    if type(data) is not dict or not _PLAIN_FIELDS.issuperset(data):
+        return None
+    wire = data.get("messages")
+    if type(wire) is not list or not wire or len(wire) > max_messages:
+        return None
+    messages: list[ChatMessage] = []
+    for item in wire:
+        if type(item) is not dict or not _PLAIN_MESSAGE_FIELDS.issuperset(item):
+            return None
+        role_name = item.get("role")
+        text = item.get("content")
+        name = item.get("name")
+        if (
+            type(role_name) is not str
+            or type(text) is not str
+            or len(text) > max_chars
+            or (name is not None and type(name) is not str)
+        ):
+            return None
+        role = _PLAIN_ROLES.get(role_name)
+        if role is None:
+            return None
+        contents = [TextContent(text)] if text else None
+        messages.append(ChatMessage(role, contents=contents, author_name=name))
+    model = data.get("model")
+    stream = data.get("stream")
+    user = data.get("user")
+    seed = data.get("seed")
+    if (
+        (model is not None and type(model) is not str)
+        or (stream is not None and type(stream) is not bool)
+        or (user is not None and type(user) is not str)
+        or (seed is not None and type(seed) is not int)
+    ):
+        return None
+    options = ChatOptions(seed=seed, user=user)
+    if "temperature" in data:
+        options.temperature = _plain_fraction(data["temperature"], 2)
+        if options.temperature is None:
+            return None
+    if "top_p" in data:
+        options.top_p = _plain_fraction(data["top_p"], 1)
+        if options.top_p is None:
+            return None
+    for field in ("max_tokens", "max_completion_tokens"):  # the latter wins when both are set
+        if field in data:
+            count = data[field]
+            if type(count) is not int or count < 1:
+                return None
+            options.max_output_tokens = count
+    return ChatCall(model, messages, options, stream is True, False, [])
 
 
 # ---------------------------------------------------------------------------- responses
