@@ -18,9 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatroute.chat.types import ChatRole, TextContent
+from chatroute.server import app as app_module
 from chatroute.server.app import _check_messages
 from chatroute.server.errors import APIError
 from chatroute.server.wire import ChatCall, ChatCompletionRequest, chat_call, plain_chat_call
+from tests.test_server import harness
 
 MAX_MESSAGES = 3
 MAX_CHARS = 20
@@ -70,6 +72,10 @@ def test_the_common_request_is_read_plainly_and_as_the_model_reads_it() -> None:
         "max_completion_tokens": 20,
         "seed": 7,
         "user": "u-1",
+        "n": 1,
+        "stream_options": {"include_usage": True},
+        "stop": "END",
+        "presence_penalty": 0.5,
     }
     call = plain(data)
     assert call is not None
@@ -78,7 +84,8 @@ def test_the_common_request_is_read_plainly_and_as_the_model_reads_it() -> None:
     assert call.messages[1].author_name == "ann"
     assert typed(call.options.temperature) == (float, 1.0)
     assert call.options.max_output_tokens == 20  # max_completion_tokens wins, as in the model
-    assert call.stream is True and call.model == "code"
+    assert call.stream is True and call.include_usage is True and call.model == "code"
+    assert call.options.stop_sequences == ["END"]
     reference = through_model(data)
     assert reference is not None and shape(call) == shape(reference)
 
@@ -89,7 +96,9 @@ def test_the_common_request_is_read_plainly_and_as_the_model_reads_it() -> None:
         {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
         {"messages": [{"role": "user", "content": "hi"}], "tools": []},
-        {"messages": [{"role": "user", "content": "hi"}], "stream_options": {}},
+        {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": True}},
+        {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+        {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", 1]},
         {"messages": [{"role": "user", "content": "hi"}], "unknown_field": 1},
         {"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5},
         {"messages": [{"role": "user", "content": "hi"}], "temperature": math.nan},
@@ -120,9 +129,18 @@ _FIELD_VALUES: dict[str, list[Any]] = {
     "seed": [2**63, 2**70, -(2**70), *_BAD],
     "user": ["u", *_BAD],
     # Fields the plain reader leaves to the model.
-    "n": [1, 2],
-    "stream_options": [{"include_usage": True}, None],
-    "stop": ["END", None],
+    "presence_penalty": [-2, -2.001, 2.0, 2.5, math.nan, *_BAD],
+    "frequency_penalty": [-2.0, -3, 0, 2.001, math.inf, *_BAD],
+    "n": [2, 1.0, *_BAD],
+    "stream_options": [
+        {"include_usage": True},
+        {"include_usage": False},
+        {"include_usage": None},
+        {"include_usage": 1},
+        {"include_usage": True, "other": 1},
+        *_BAD,
+    ],
+    "stop": ["END", [], ["a", "b"], ["a", 1], [None], *_BAD],
     "tools": [[], None],
     "metadata": [{"k": "v"}],
     "unknown_field": [1, None],
@@ -158,6 +176,11 @@ _BASES: list[dict[str, Any]] = [
         "max_completion_tokens": 9,
         "seed": -3,
         "user": "u",
+        "n": 1,
+        "stream_options": {"include_usage": True},
+        "stop": ["x", "y"],
+        "presence_penalty": -1,
+        "frequency_penalty": 0.5,
     },
 ]
 
@@ -230,11 +253,16 @@ _VALID_FIELDS = st.fixed_dictionaries(
         "max_completion_tokens": st.integers(1, 10**6),
         "seed": st.integers(-(2**63), 2**63),
         "user": st.text(max_size=5),
+        "n": st.just(1),
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.integers(-2, 2),
     },
 )
 _FRACTION = st.one_of(st.floats(min_value=-0.5, max_value=2.5), st.integers(-1, 3), _ANY_SCALAR)
 _COUNT = st.one_of(st.integers(-1, 2**70), _ANY_SCALAR)
-# Values for every field, most of them wrong for it somehow; the last five are fields the
+# Values for every field, most of them wrong for it somehow; the last two are fields the
 # plain reader leaves to the model.
 _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.one_of(st.sampled_from(["auto", "code", ""]), _ANY_SCALAR),
@@ -245,12 +273,17 @@ _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "max_completion_tokens": _COUNT,
     "seed": _COUNT,
     "user": st.one_of(_TEXT, _ANY_SCALAR),
-    "n": st.integers(0, 2),
-    "stream_options": st.just({"include_usage": True}),
-    "stop": st.just("END"),
+    "n": st.one_of(st.integers(0, 2), _ANY_SCALAR),
+    "stream_options": st.one_of(
+        st.fixed_dictionaries({}, optional={"include_usage": _ANY_SCALAR}), _ANY_SCALAR
+    ),
+    "stop": st.one_of(_TEXT, st.lists(st.one_of(_TEXT, _ANY_SCALAR), max_size=2), _ANY_SCALAR),
+    "presence_penalty": _FRACTION,
+    "frequency_penalty": _FRACTION,
     "metadata": st.just({"k": "v"}),
     "unknown_field": _ANY_SCALAR,
 }
+assert list(_FIELDS)[-2:] == ["metadata", "unknown_field"]
 
 
 @st.composite
@@ -304,3 +337,36 @@ def test_every_valid_plain_request_is_read_plainly(
         return
     assert call is not None and reference is not None
     assert shape(call) == shape(reference)
+
+
+def test_the_chat_endpoint_reads_plain_requests_without_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Wired in: a plain request is answered without validating the model, the rest with
+    it; both reach the provider with the same messages and options."""
+    validated: list[Any] = []
+    real = app_module._VALIDATE_CHAT
+
+    def counting(payload: Any) -> Any:
+        validated.append(payload)
+        return real(payload)
+
+    monkeypatch.setattr(app_module, "_VALIDATE_CHAT", counting)
+    plain_body = {
+        "model": "general",
+        "messages": [{"role": "user", "content": "hello"}],
+        "temperature": 0.5,
+        "stop": ["END"],
+    }
+    with harness() as h:
+        first = h.client.post("/v1/chat/completions", json=plain_body)
+        assert first.status_code == 200 and validated == []
+        second = h.client.post("/v1/chat/completions", json={**plain_body, "logprobs": False})
+        assert second.status_code == 200 and len(validated) == 1
+        (plain_messages, plain_options), (model_messages, model_options) = h.strong.calls[-2:]
+        assert [(m.role, m.contents) for m in plain_messages] == [
+            (m.role, m.contents) for m in model_messages
+        ]
+        model_options.additional_properties = None  # logprobs: the one difference asked for
+        assert plain_options == model_options
+        assert plain_options.temperature == 0.5 and plain_options.stop_sequences == ["END"]

@@ -323,33 +323,67 @@ def chat_call(request: ChatCompletionRequest) -> ChatCall:
 
 # What `plain_chat_call` reads; a request with any other field goes through the model.
 _PLAIN_FIELDS = frozenset(
-    {"model", "messages", "stream", "temperature", "top_p", "max_tokens"}
-    | {"max_completion_tokens", "seed", "user"}
+    {"model", "messages", "stream", "stream_options", "n", "temperature", "top_p"}
+    | {"max_tokens", "max_completion_tokens", "stop", "presence_penalty"}
+    | {"frequency_penalty", "seed", "user"}
 )
 _PLAIN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _PLAIN_ROLES = {name: role for name, role in _ROLES.items() if role is not ChatRole.TOOL}
+# Each number field: its bounds, as the model's constraints give them.
+_PLAIN_NUMBERS = (
+    ("temperature", 0.0, 2.0),
+    ("top_p", 0.0, 1.0),
+    ("presence_penalty", -2.0, 2.0),
+    ("frequency_penalty", -2.0, 2.0),
+)
 
 
-def _plain_fraction(value: object, high: float) -> float | None:
-    """A strict float field in [0, high] as the model reads it (an int becomes a float);
-    None when it is out of range, NaN or not a number (the model then says why)."""
-    kind = type(value)
-    if (kind is float or kind is int) and 0 <= value <= high:  # type: ignore[operator]
-        return float(value)  # type: ignore[arg-type]
-    return None
+def _plain_options(data: dict[str, Any]) -> ChatOptions | None:
+    """The options of a plain request, exactly as `to_chat_options` reads them from the
+    model; None when a field is not of the model's type or is out of its range."""
+    user = data.get("user")
+    seed = data.get("seed")
+    if (user is not None and type(user) is not str) or (seed is not None and type(seed) is not int):
+        return None
+    options = ChatOptions(seed=seed, user=user)
+    for field, low, high in _PLAIN_NUMBERS:
+        value = data.get(field)
+        if value is None:
+            continue
+        kind = type(value)
+        # A strict float field takes an int too, as a float; NaN fails both bounds.
+        if (kind is not float and kind is not int) or not low <= value <= high:
+            return None
+        setattr(options, field, float(value))
+    for field in ("max_tokens", "max_completion_tokens"):  # the latter wins when both are set
+        count = data.get(field)
+        if count is None:
+            continue
+        if type(count) is not int or count < 1:
+            return None
+        options.max_output_tokens = count
+    stop = data.get("stop")
+    if stop is not None:
+        if type(stop) is str:
+            options.stop_sequences = [stop]
+        elif type(stop) is list and all(type(item) is str for item in stop):
+            options.stop_sequences = list(stop)
+        else:
+            return None
+    return options
 
 
 def plain_chat_call(data: object, *, max_messages: int, max_chars: int) -> ChatCall | None:
     """The common plain request read straight from its decoded JSON, or None.
 
     Plain: only the fields in `_PLAIN_FIELDS`, each of the type the model takes and in its
-    range; messages that are objects with a system, developer, user or assistant role,
-    string content of at most `max_chars` characters and an optional string name; at most
-    `max_messages` of them. For such a request this is exactly `chat_call` of the validated
-    model (tests/test_wire_plain.py checks it against the model on generated requests);
-    anything else gives None and goes through the model, with its errors. It exists for
-    speed: the model's validation and the conversion of its result cost several times
-    this on a proxied call.
+    range (`stream_options` with no field but `include_usage`); messages that are objects
+    with a system, developer, user or assistant role, string content of at most `max_chars`
+    characters and an optional string name; at most `max_messages` of them. For such a
+    request this is exactly `chat_call` of the validated model (tests/test_wire_plain.py
+    checks it against the model); anything else gives None and goes through the model,
+    with its errors. It exists for speed: on a proxied call the model's validation and the
+    conversion of its result cost several times this.
     """
     if type(data) is not dict or not _PLAIN_FIELDS.issuperset(data):
         return None
@@ -377,31 +411,26 @@ def plain_chat_call(data: object, *, max_messages: int, max_chars: int) -> ChatC
         messages.append(ChatMessage(role, contents=contents, author_name=name))
     model = data.get("model")
     stream = data.get("stream")
-    user = data.get("user")
-    seed = data.get("seed")
+    n = data.get("n")
     if (
         (model is not None and type(model) is not str)
         or (stream is not None and type(stream) is not bool)
-        or (user is not None and type(user) is not str)
-        or (seed is not None and type(seed) is not int)
+        or (n is not None and (type(n) is not int or n != 1))
     ):
         return None
-    options = ChatOptions(seed=seed, user=user)
-    if "temperature" in data:
-        options.temperature = _plain_fraction(data["temperature"], 2)
-        if options.temperature is None:
+    include_usage = False
+    stream_options = data.get("stream_options")
+    if stream_options is not None:
+        if type(stream_options) is not dict or not stream_options.keys() <= {"include_usage"}:
             return None
-    if "top_p" in data:
-        options.top_p = _plain_fraction(data["top_p"], 1)
-        if options.top_p is None:
+        flag = stream_options.get("include_usage")
+        if flag is not None and type(flag) is not bool:
             return None
-    for field in ("max_tokens", "max_completion_tokens"):  # the latter wins when both are set
-        if field in data:
-            count = data[field]
-            if type(count) is not int or count < 1:
-                return None
-            options.max_output_tokens = count
-    return ChatCall(model, messages, options, stream is True, False, [])
+        include_usage = flag is True
+    options = _plain_options(data)
+    if options is None:
+        return None
+    return ChatCall(model, messages, options, stream is True, include_usage, [])
 
 
 # ---------------------------------------------------------------------------- responses
