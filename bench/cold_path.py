@@ -21,7 +21,9 @@ size of the last-level cache (cold):
 7. encode the reply (`completion_body`);
 
 then all seven in a row after one eviction (later steps find the code the earlier ones
-brought back), and a timed call that does nothing. The result goes to the `cold-path`
+brought back); the plain reading the chat endpoint does instead of steps 2 and 3 for a
+request with only the common fields (`plain_chat_call`), alone and in the row in their
+place; and a timed call that does nothing. The result goes to the `cold-path`
 section of BENCHMARKS.md.
 """
 
@@ -44,6 +46,7 @@ from chatroute.server.guard import parse_json
 from chatroute.server.wire import (
     ChatCompletionRequest,
     completion_body,
+    plain_chat_call,
     to_chat_messages,
     to_chat_options,
 )
@@ -107,12 +110,26 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
     def upstream_request() -> None:
         dumps_plain(build_request(messages, options, default_model="fixed-model", stream=False))
 
+    def plain(data: Any) -> Any:
+        call = plain_chat_call(data, max_messages=256, max_chars=32_000)
+        assert call is not None
+        return call
+
     def whole() -> None:
         data, _ = parse_json(REQUEST, 64)
         request = _VALIDATE(data)
         messages = to_chat_messages(request.messages)
         options = to_chat_options(request)
         dumps_plain(build_request(messages, options, default_model="fixed-model", stream=False))
+        response = response_from_openai(loads(ANSWER), provider="fixed")
+        completion_body(response, model="fixed-model")
+
+    def whole_plain() -> None:
+        data, _ = parse_json(REQUEST, 64)
+        call = plain(data)
+        dumps_plain(
+            build_request(call.messages, call.options, default_model="fixed-model", stream=False)
+        )
         response = response_from_openai(loads(ANSWER), provider="fixed")
         completion_body(response, model="fixed-model")
 
@@ -125,6 +142,8 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         ("6. map it to a ChatResponse", lambda: response_from_openai(answer, provider="fixed")),
         ("7. encode the reply", lambda: completion_body(response, model="fixed-model")),
         ("1-7 in a row", whole),
+        ("2-3 read plainly instead (plain_chat_call)", lambda: plain(data)),
+        ("1-7 in a row, 2-3 read plainly", whole_plain),
         ("a timed call that does nothing", lambda: None),
     ]
 
@@ -157,6 +176,7 @@ def run(args: argparse.Namespace) -> str:
         _STEPS, ["sum of 1-7 timed apart", f"{warm_sum * 1e6:.1f}", f"{cold_sum * 1e6:.1f}", ""]
     )
     _, whole_warm, whole_cold = measured[_STEPS]  # 1-7 in a row
+    _, plain_warm, plain_cold = measured[_STEPS + 2]  # the same, 2-3 read plainly
     return "\n".join(
         [
             "## Cold and warm cost of the chat path's own steps (bench/cold_path.py)",
@@ -168,7 +188,9 @@ def run(args: argparse.Namespace) -> str:
             table(["step", "warm µs", "cold µs", "cold / warm"], rows),
             "",
             f"With the caches cold, the seven steps in a row took {whole_cold * 1e6:.0f} µs "
-            f"against {whole_warm * 1e6:.0f} µs warm ({whole_cold / whole_warm:.1f} times). "
+            f"against {whole_warm * 1e6:.0f} µs warm ({whole_cold / whole_warm:.1f} times); "
+            f"with the request read plainly, {plain_cold * 1e6:.0f} µs cold and "
+            f"{plain_warm * 1e6:.0f} µs warm. "
             "At concurrency 1 the upstream's latency separates the two halves of every "
             "call, and on a machine whose caches do not keep an idle process's lines "
             "for that long (a shared or virtual one), each half starts cold: there, "
