@@ -128,7 +128,6 @@ _FIELD_VALUES: dict[str, list[Any]] = {
     "max_completion_tokens": [2, 2**70, 1.0, *_BAD],
     "seed": [2**63, 2**70, -(2**70), *_BAD],
     "user": ["u", *_BAD],
-    # Fields the plain reader leaves to the model.
     "presence_penalty": [-2, -2.001, 2.0, 2.5, math.nan, *_BAD],
     "frequency_penalty": [-2.0, -3, 0, 2.001, math.inf, *_BAD],
     "n": [2, 1.0, *_BAD],
@@ -141,6 +140,7 @@ _FIELD_VALUES: dict[str, list[Any]] = {
         *_BAD,
     ],
     "stop": ["END", [], ["a", "b"], ["a", 1], [None], *_BAD],
+    # Fields the plain reader leaves to the model.
     "tools": [[], None],
     "metadata": [{"k": "v"}],
     "unknown_field": [1, None],
