@@ -155,8 +155,7 @@ def start_portkey(stack: ExitStack, upstream: int, work: Path) -> Peer:
 
 def start_chatroute(stack: ExitStack, upstream: int, work: Path) -> Peer:
     peer = Peer("chatroute", f"this tree ({pc.git('rev-parse', '--short', 'HEAD')})")
-    pid, url = pc.start_tree(stack, REPO, upstream, work, "chatroute").split()
-    peer.pid, peer.url = int(pid), url
+    peer.pid, peer.url = pc.start_tree(stack, REPO, upstream, work, "chatroute")
     return peer
 
 

@@ -52,7 +52,10 @@ def tree_argv(tree: Path, config: Path) -> list[str]:
     return [sys.executable, "-c", code, "serve", "--config", str(config)]
 
 
-def start_tree(stack: ExitStack, tree: Path, upstream: int, work: Path, name: str) -> str:
+def start_tree(
+    stack: ExitStack, tree: Path, upstream: int, work: Path, name: str
+) -> tuple[int, str]:
+    """Start `chatroute serve` from `tree` on the fixed upstream: its pid and chat URL."""
     port = sb._free_port()
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(sb.make_config(TRAIN, upstream, port, 10)))
@@ -63,7 +66,7 @@ def start_tree(stack: ExitStack, tree: Path, upstream: int, work: Path, name: st
         pid = sb.start_service(stack, config, port, work / name)
     finally:
         sb.chatroute_argv = original
-    return f"{pid} http://127.0.0.1:{port}/v1/chat/completions"
+    return pid, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
 def compare(
@@ -90,9 +93,7 @@ def compare(
             sb._timed_call(clients[name], arms[name][1], body, stream)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu = {name: sb.process_cpu(pid) for name, (pid, _) in arms.items() if pid is not None}
-    # A fresh order every rotation: a service called right after the other one finds the
-    # code the two share (the Python runtime, the extension modules) warm in the caches,
-    # so a fixed rotation, in which one of them more often comes second, favours it.
+    # A fresh order every rotation: a fixed one is biased (see the module docstring).
     order = random.Random(len(names) * pairs + stream)
     for _ in range(pairs):
         order.shuffle(names)
@@ -143,8 +144,7 @@ def run(args: argparse.Namespace) -> str:
             "direct": (None, f"http://127.0.0.1:{upstream}/v1/chat/completions")
         }
         for name, tree in ((f"revision {revision}", other), (this, REPO)):
-            pid, url = start_tree(stack, tree, upstream, work, name.split()[0]).split()
-            arms[name] = (int(pid), url)
+            arms[name] = start_tree(stack, tree, upstream, work, name.split()[0])
         rows = []
         for stream in (False, True):
             for name, added, used in compare(arms, args.pairs, stream):

@@ -328,6 +328,7 @@ _PLAIN_FIELDS = frozenset(
     | {"frequency_penalty", "seed", "user"}
 )
 _PLAIN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_PLAIN_STREAM_OPTIONS = frozenset({"include_usage"})
 _PLAIN_ROLES = {name: role for name, role in _ROLES.items() if role is not ChatRole.TOOL}
 # Each number field: its bounds, as the model's constraints give them.
 _PLAIN_NUMBERS = (
@@ -421,7 +422,7 @@ def plain_chat_call(data: object, *, max_messages: int, max_chars: int) -> ChatC
     include_usage = False
     stream_options = data.get("stream_options")
     if stream_options is not None:
-        if type(stream_options) is not dict or not stream_options.keys() <= {"include_usage"}:
+        if type(stream_options) is not dict or not _PLAIN_STREAM_OPTIONS.issuperset(stream_options):
             return None
         flag = stream_options.get("include_usage")
         if flag is not None and type(flag) is not bool:
