@@ -130,6 +130,22 @@ async def test_the_result_and_the_errors_of_the_call_pass_through() -> None:
     assert not others() and not_cancelling()
 
 
+async def test_a_call_that_swallows_the_cancellation_still_ends_as_the_caller_gone() -> None:
+    conn = Connection()
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            return "answered anyway"  # nobody is listening for it any more
+        return "not cancelled"
+
+    asyncio.get_running_loop().call_later(0.02, conn.leave)
+    with pytest.raises(_CallerGone):
+        await _watched(conn.scope, conn.receive, stubborn())
+    assert not_cancelling()  # the swallowed cancellation is not left on the task
+
+
 async def test_the_deadline_still_works_inside_the_watch() -> None:
     conn, log = Connection(), []
     at = asyncio.get_running_loop().time() + 0.02
