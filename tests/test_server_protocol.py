@@ -332,6 +332,32 @@ async def test_a_chunked_request_body_reaches_the_app_whole() -> None:
     protocol.connection_lost(None)
 
 
+async def test_a_pipelined_request_pauses_reading_until_the_one_before_is_answered() -> None:
+    """A caller that pipelines is not read ahead of the answers: one request waits,
+    parsed, behind the one being answered, and no more are taken in meanwhile."""
+    release = asyncio.Event()
+    answered: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await release.wait()
+        await _answer(send)
+        answered.append(scope["path"])
+
+    raw, protocol = await _connection(app)
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert raw.reading is True  # nothing is waiting behind it
+    protocol.data_received(b"GET /next HTTP/1.1\r\nhost: x\r\n\r\n")
+    await _settle()
+    assert raw.reading is False and answered == []
+    release.set()
+    await _settle()
+    assert answered == ["/slow", "/next"] and raw.reading is True
+    assert len(raw.writes) == 2 and not raw.closed
+    protocol.connection_lost(None)
+
+
 async def test_a_large_unread_body_pauses_reading_until_the_app_reads() -> None:
     release = asyncio.Event()
     got: list[int] = []
@@ -375,6 +401,8 @@ async def test_head_answers_carry_the_length_but_no_body() -> None:
 async def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
     for request in (
         b"GET /json HTTP/1.0\r\n\r\n",
+        # HTTP/1.0's keep-alive extension is not offered (as uvicorn does not)
+        b"GET /json HTTP/1.0\r\nconnection: keep-alive\r\n\r\n",
         b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
     ):
         raw, protocol = await _connection(_app)
