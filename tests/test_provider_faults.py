@@ -516,6 +516,17 @@ async def test_events_after_done_are_ignored(up: FakeUpstream, client: OpenAICha
     assert exc is None and texts == ["a"]
 
 
+async def test_a_stream_with_no_role_delta_is_still_the_assistant_speaking(
+    up: FakeUpstream, client: OpenAIChatClient
+) -> None:
+    up.script(
+        Events([chunk({"content": "a"}), chunk({"content": "b"}, "stop"), "data: [DONE]\n\n"])
+    )
+    updates = [u async for u in client.get_streaming_response(HI)]
+    assert updates[0].role is ChatRole.ASSISTANT  # the upstream never said so
+    assert "".join(u.text for u in updates) == "ab"
+
+
 async def test_multi_line_data_and_comments_are_sse(
     up: FakeUpstream, client: OpenAIChatClient
 ) -> None:

@@ -23,7 +23,6 @@ from chatroute.chat.types import (
     FunctionCallContent,
     TextContent,
     TextReasoningContent,
-    UsageDetails,
 )
 from chatroute.providers._checks import check_call_args, check_client_args
 from chatroute.providers._http import http
@@ -512,7 +511,6 @@ class OpenAIChatClient(SDKTransport, ChatClient):
             events = _SSEReader(response.aiter_bytes())
 
             held: list[ChatResponseUpdate] = []
-            usage: UsageDetails | None = None
             # Once output flows with no total or stall limit, no read has a time limit
             # until the finish: read events directly, without next_step's bookkeeping.
             unbounded = total_deadline is None and not self.stall_timeout
@@ -565,8 +563,6 @@ class OpenAIChatClient(SDKTransport, ChatClient):
                     ) from exc
                 if update.finish_reason is not None:
                     finished = True
-                if update.usage is not None:
-                    usage = update.usage
                 if not committed:
                     if not _is_content(update):
                         held.append(update)
@@ -587,7 +583,6 @@ class OpenAIChatClient(SDKTransport, ChatClient):
                 # A complete answer with no content at all (an empty reply): emit it now.
                 merged = held.pop()
                 merged = _merge(held, merged)
-                merged.usage = merged.usage or usage
                 if merged.role is None:
                     merged.role = ChatRole.ASSISTANT
                 yield merged
