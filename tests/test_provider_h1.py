@@ -210,6 +210,55 @@ async def test_the_connection_limit_makes_callers_wait_then_times_out() -> None:
         assert pool.connections == 1
 
 
+async def test_a_lost_connection_frees_its_place_for_a_waiting_caller() -> None:
+    drop = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if drop.is_set():  # a connection opened after the first was lost
+            await answering(ok(b"fresh"))(reader, writer)
+            return
+        await read_request(reader)  # the first: half an answer, then the connection is lost
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nfi")
+        await drop.wait()
+        writer.transport.abort()
+
+    async with pool_on(handler, max_connections=1, pool_timeout=3.0) as pool:
+        first = await pool.post(HEADERS, b"{}")
+        waiting = asyncio.create_task(pool.post(HEADERS, b"{}"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the only place is taken
+        drop.set()
+        with pytest.raises(http.RemoteProtocolError):
+            await first.aread()
+        second = await asyncio.wait_for(waiting, 1)  # at once, not after the pool timeout
+        assert await second.aread() == b"fresh"
+
+
+async def test_an_answer_that_says_close_is_not_reused_even_while_the_socket_stays_open() -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await answering(ok(b"once", b"connection: close"))(reader, writer)  # then lingers
+
+    async with pool_on(handler, read_timeout=1.0) as pool:
+        assert await (await pool.post(HEADERS, b"{}")).aread() == b"once"
+        assert await (await pool.post(HEADERS, b"{}")).aread() == b"once"  # a new connection
+        assert connections == 2
+
+
+async def test_a_connection_paused_by_an_unread_answer_is_resumed_before_reuse() -> None:
+    big = b"x" * (256 * 1024 + 1)  # its last byte, whenever it comes, passes the high water
+    async with pool_on(answering(ok(big), ok(b"two")), read_timeout=1.0) as pool:
+        first = await pool.post(HEADERS, b"{}")
+        await asyncio.sleep(0.05)  # the whole answer arrives unread: reading is paused
+        assert await first.aread() == big
+        second = await pool.post(HEADERS, b"{}")  # the same connection, reading again
+        assert await second.aread() == b"two"
+        assert pool.connections == 1
+
+
 async def test_an_expired_idle_connection_is_not_reused() -> None:
     connections = 0
 
