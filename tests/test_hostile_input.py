@@ -296,3 +296,22 @@ async def test_a_body_that_never_arrives_is_408_not_a_hang(stack: ServiceStack) 
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert b"request_timeout" in answer
     assert stack.attempts()["primary"] == 0
+
+
+async def test_a_declared_length_over_the_limit_is_413_before_the_body_is_awaited(
+    stack: ServiceStack,
+) -> None:
+    parts = urlsplit(stack.url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+        f"authorization: Bearer {stack.key}\r\ncontent-type: application/json\r\n"
+        f"content-length: {MAX_BODY + 1}\r\n\r\n"  # one byte over, and none of it sent
+    )
+    writer.write(head.encode())
+    await writer.drain()
+    async with asyncio.timeout(BODY_TIMEOUT / 2):  # well before the body timeout could fire
+        answer = await reader.readuntil(b"\r\n\r\n")
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    assert stack.attempts()["primary"] == 0

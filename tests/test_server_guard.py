@@ -1,4 +1,5 @@
-"""`parse_json`'s shortcuts against the full walk: the same data and the same error, always."""
+"""`parse_json`'s shortcuts against the full walk (the same data and the same error, always), and
+the admission's reading of a body."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatroute.server.errors import APIError
-from chatroute.server.guard import NotJSON, parse_json
+from chatroute.server.guard import Admission, NotJSON, parse_json
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -159,3 +160,25 @@ def test_any_json_body_answers_as_the_full_walk(
     except UnicodeEncodeError:  # a lone surrogate sent as raw text cannot be UTF-8
         body = text.encode("utf-8", "surrogatepass")
     same(body, depth)
+
+
+# ------------------------------------------------------------------ reading the body
+
+
+async def test_a_caller_leaving_mid_body_is_not_answered_as_an_empty_body() -> None:
+    admission = Admission(api_keys=[], max_body_bytes=1024, body_timeout=1.0)
+    messages = [
+        {"type": "http.request", "body": b'{"messages": ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/chat/completions", "headers": []}
+    assert await admission.admit_body(scope, receive, send) is None  # type: ignore[arg-type]
+    assert sent == []  # nobody is left to answer
