@@ -25,12 +25,14 @@ from chatroute.chat import (
     FunctionCallContent,
     FunctionResultContent,
     TextContent,
+    TextReasoningContent,
     UsageDetails,
 )
 from chatroute.config import parse_config
 from chatroute.providers import ProviderError, ProviderStatusError, StreamInterruptedError
 from chatroute.providers.errors import kind_for_status
 from chatroute.server import build_engine, create_app
+from chatroute.server.wire import StreamEncoder
 
 # ------------------------------------------------------------------------------ doubles
 
@@ -364,6 +366,40 @@ def test_stream_failure_after_content_is_in_band_without_done(h: Harness) -> Non
 
 
 # ------------------------------------------------------------------------ wire mapping
+
+
+def test_the_stream_encoder_keeps_the_upstreams_id_and_model_and_maps_every_kind_of_delta() -> None:
+    encoder = StreamEncoder(model="configured-model", include_usage=True)
+    updates = [
+        ChatResponseUpdate(
+            role=ChatRole.ASSISTANT,
+            contents=[TextReasoningContent("thinking")],
+            model_id="served-model",
+            response_id="resp-9",
+        ),
+        ChatResponseUpdate(contents=[FunctionCallContent("call-a", "lookup", '{"q":')]),
+        ChatResponseUpdate(contents=[FunctionCallContent("call-b", "fetch", "{}")]),
+        ChatResponseUpdate(contents=[FunctionCallContent("call-a", None, '"x"}')]),
+        ChatResponseUpdate(finish_reason="tool_calls", usage=UsageDetails(3, 2, 5)),
+    ]
+    out = b"".join(encoder.encode(u) for u in updates) + encoder.finish()
+    events = sse_events(out.decode())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {"resp-9"}  # the upstream's id, on every chunk
+    assert {c["model"] for c in chunks} == {"served-model"}  # the model that served
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas[0] == {"role": "assistant", "reasoning_content": "thinking"}
+    calls = [d["tool_calls"][0] for d in deltas[1:4]]
+    assert [(c["index"], c.get("id")) for c in calls] == [
+        (0, "call-a"),
+        (1, "call-b"),
+        (0, "call-a"),
+    ]
+    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"q":'}
+    assert calls[2]["function"] == {"arguments": '"x"}'}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 
 def test_roles_content_parts_tools_and_params_map_to_chat_types(h: Harness) -> None:
