@@ -119,6 +119,7 @@ def test_classify_file_reports_bad_lines_and_writes_one_record_per_input(
     assert f"{source}:3: skipped: not valid JSON" in result.output
     assert f"{source}:6: skipped" in result.output
     assert f"{source}:7: skipped: 'input' must be a string" in result.output
+    assert f"{source}:5:" not in result.output  # a blank line is not a bad one
     assert "classified 5 inputs" in result.output
 
 
@@ -133,6 +134,9 @@ def test_classify_resumes_after_an_interrupted_run(config_file: Path, tmp_path: 
     out.write_text(lines[0] + lines[1] + lines[2][:12])
     assert resume_point(out) == 2
     assert out.read_text() == lines[0] + lines[1]  # the partial line was cut off
+    out.write_text(lines[0] + lines[1] + "not a record\n")  # a complete line, not ours
+    assert resume_point(out) == 2  # the last record before it counts
+    out.write_text(lines[0] + lines[1])
     result = run("classify", "-c", config_file, source, "-o", out, "--no-progress")
     assert result.exit_code == 0, result.output
     assert "resumed after line 2" in result.output
