@@ -160,9 +160,14 @@ def content_of(events: list[Any]) -> str:
 
 def metric(stack: ServiceStack, name: str, **labels: str) -> float:
     """One sample of the service's /metrics (0.0 when it is absent)."""
+    return sample_of(stack.metrics(), name, **labels)
+
+
+def sample_of(exposition: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition text (0.0 when it is absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(stack.metrics()):
+    for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)

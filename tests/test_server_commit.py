@@ -16,54 +16,52 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from chatroute.chat import ChatMessage, ChatOptions, ChatResponseUpdate, ChatRole, TextContent
 from chatroute.config import parse_config
 from chatroute.providers import StreamInterruptedError
 from chatroute.server import build_engine, create_app
 from chatroute.server.tracing import RequestTrace
-from tests.test_fault_matrix import events_of
+from tests.test_fault_matrix import events_of, sample_of
 from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider, upstream_error
 
 USER = {"role": "user", "content": "what a lovely afternoon"}
 
 
 class OneChunkThenSilence(Provider):
-    """Streams a role-only delta and one content delta, then waits for ever."""
+    """Streams a role-only delta and one content delta, then waits for ever; records when
+    its stream is closed."""
+
+    stream_closed = False
 
     async def get_streaming_response(  # type: ignore[override]
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> AsyncIterator[ChatResponseUpdate]:
-        self.calls.append((list(messages), options))
-        yield ChatResponseUpdate(role=ChatRole.ASSISTANT)
-        yield ChatResponseUpdate(contents=[TextContent("only")])
-        await asyncio.sleep(30)
-        yield ChatResponseUpdate(finish_reason="stop")
+        try:
+            yield ChatResponseUpdate(role=ChatRole.ASSISTANT)
+            yield ChatResponseUpdate(contents=[TextContent("only")])
+            await asyncio.sleep(30)
+            yield ChatResponseUpdate(finish_reason="stop")
+        finally:
+            self.stream_closed = True
 
 
 class Stack:
     """The app over doubles (route `general` on `strong` alone), with its traces."""
 
-    def __init__(self, client: TestClient, strong: Provider) -> None:
+    def __init__(self, client: TestClient) -> None:
         self.client = client
-        self.strong = strong
         self.traces: list[RequestTrace] = []
 
-    def stream(self, **body: Any) -> tuple[int, dict[str, str], str]:
-        payload = {"model": "general", "messages": [USER], "stream": True, **body}
+    def stream(self) -> tuple[int, dict[str, str], str]:
+        payload = {"model": "general", "messages": [USER], "stream": True}
         with self.client.stream("POST", "/v1/chat/completions", json=payload) as response:
             text = response.read().decode()
             return response.status_code, dict(response.headers), text
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0.0 when it is absent)."""
-        for family in text_string_to_metric_families(self.client.get("/metrics").text):
-            for sample in family.samples:
-                wanted = all(sample.labels.get(k) == v for k, v in labels.items())
-                if sample.name == name and wanted:
-                    return float(sample.value)
-        return 0.0
+        return sample_of(self.client.get("/metrics").text, name, **labels)
 
 
 @contextlib.contextmanager
@@ -83,7 +81,7 @@ def stack(
 
     app = create_app(engine, api_keys=[], trace_sink=sink)
     with TestClient(app) as client:
-        made = Stack(client, strong)
+        made = Stack(client)
         yield made
     asyncio.run(engine.aclose())
 
@@ -129,24 +127,6 @@ def test_an_error_answer_still_names_the_ignored_fields(stream: bool) -> None:
         assert r.json()["error"]["message"].endswith("down")
 
 
-class Watched(Provider):
-    """Streams one answer and records when its stream is closed."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.stream_closed = asyncio.Event()
-
-    async def get_streaming_response(  # type: ignore[override]
-        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
-    ) -> AsyncIterator[ChatResponseUpdate]:
-        try:
-            yield ChatResponseUpdate(role=ChatRole.ASSISTANT, contents=[TextContent("one")])
-            await asyncio.sleep(30)
-            yield ChatResponseUpdate(finish_reason="stop")
-        finally:
-            self.stream_closed.set()
-
-
 def test_a_failure_preparing_the_stream_after_its_first_content_closes_the_routed_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -157,9 +137,9 @@ def test_a_failure_preparing_the_stream_after_its_first_content_closes_the_route
         raise RuntimeError("encoder unavailable")
 
     monkeypatch.setattr("chatroute.server.app.StreamEncoder", broken)
-    strong = Watched("strong")
+    strong = OneChunkThenSilence("strong")
     closed_when_recorded: list[bool] = []
-    with stack(strong, lambda: closed_when_recorded.append(strong.stream_closed.is_set())) as s:
+    with stack(strong, lambda: closed_when_recorded.append(strong.stream_closed)) as s:
         status, headers, text = s.stream()
         assert status == 502 and headers["content-type"] == "application/json"
         assert "encoder unavailable" not in text  # an unknown failure's text is not passed on
