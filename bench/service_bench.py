@@ -16,7 +16,11 @@ a. Proxy overhead at concurrency 1: the same `httpx.Client` settings for both ar
    time. Streaming: time to the first content token. Added latency is reported as the
    difference of the arms' p50 and p99 and as the median of the paired differences, per
    round (the median round is the headline), along with the service's CPU time per
-   request (from /proc, so independent of how busy the machine is).
+   request (from /proc, so independent of how busy the machine is). With the OpenAI
+   provider a third arm, in the same rotations, goes through a relay on the stack the chat
+   endpoint runs on with no chatroute code (`bench/proxy_floor.py`'s rung 4; `--no-floor`
+   leaves it out): what that stack alone adds at the moment, and so how much of the
+   overhead is chatroute's own work.
 b. `/v1/route` with `--clients` (64) concurrent keep-alive clients (a minimal asyncio
    HTTP/1.1 client, so that the load generator costs the shared CPU little), every
    CLINC150 test query once per round: decisions/s and latency p50/p99, against the raw
@@ -286,7 +290,14 @@ def overhead(
     rounds: int,
     stream: bool,
     provider: str = "openai",
+    floor_url: str | None = None,
 ) -> dict[str, Any]:
+    """Added latency of chatroute over calling the upstream directly, in interleaved calls.
+
+    With `floor_url` (a relay on the stack the chat endpoint runs on, with no chatroute
+    code: `bench/proxy_floor.py`'s rung 4), a third arm goes through it in the same
+    rotations, so the run also says what the stack alone adds at this moment.
+    """
     messages = [{"role": "user", "content": QUESTION}]
     body = json.dumps({"model": "general", "messages": messages, "stream": stream}).encode()
     direct_body, direct_end = body, b"[DONE]"
@@ -301,15 +312,21 @@ def overhead(
         "direct": (direct_client, direct_url, direct_body, direct_end),
         "chatroute": (service_client, service_url, body, b"[DONE]"),
     }
-    for _ in range(30):  # warm both connections and code paths
+    floor_client: httpx.Client | None = None
+    if floor_url is not None:  # the relay forwards the body as it is
+        floor_client = httpx.Client(timeout=30)
+        arms["floor"] = (floor_client, floor_url, direct_body, direct_end)
+    for _ in range(30):  # warm every arm's connection and code path
         for client, url, payload, end in arms.values():
             _timed_call(client, url, payload, stream, end)
     per_round = []
     for _ in range(rounds):
-        times: dict[str, list[float]] = {"direct": [], "chatroute": []}
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
         cpu_before = process_cpu(service_pid)
         for i in range(pairs):
-            order = ("direct", "chatroute") if i % 2 == 0 else ("chatroute", "direct")
+            order = ["direct", "chatroute"] if i % 2 == 0 else ["chatroute", "direct"]
+            if "floor" in arms:  # every order of the three arms once in six rotations
+                order.insert(i % 3, "floor")
             for arm in order:
                 client, url, payload, end = arms[arm]
                 times[arm].append(_timed_call(client, url, payload, stream, end))
@@ -325,10 +342,17 @@ def overhead(
                 "added_p99": pct(times["chatroute"], 0.99) - pct(times["direct"], 0.99),
                 "paired_median": statistics.median(paired),
                 "service_cpu": cpu,
+                "floor_added_p50": (
+                    pct(times["floor"], 0.5) - pct(times["direct"], 0.5)
+                    if "floor" in times
+                    else math.nan
+                ),
             }
         )
     direct_client.close()
     service_client.close()
+    if floor_client is not None:
+        floor_client.close()
     ordered = sorted(per_round, key=lambda r: r["added_p50"])
     median_round = ordered[len(ordered) // 2]
     return {
@@ -462,29 +486,32 @@ def speed_reference(result: dict[str, Any], delay: float) -> str:
     )
 
 
-def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: int) -> str:
+def overhead_section(
+    args: argparse.Namespace, direct: str, through: str, pid: int, floor: str | None = None
+) -> str:
     print("a. proxy overhead...", file=sys.stderr)
     kind = args.provider
-    plain = overhead(direct, through, pid, args.pairs, args.rounds, False, kind)
-    streamed = overhead(direct, through, pid, args.pairs, args.rounds, True, kind)
+    plain = overhead(direct, through, pid, args.pairs, args.rounds, False, kind, floor)
+    streamed = overhead(direct, through, pid, args.pairs, args.rounds, True, kind, floor)
     rows = []
     for name, result in (("non-streaming (full response)", plain), ("streaming (TTFT)", streamed)):
         m = result["median"]
-        rows.append(
-            [
-                name,
-                ms(m["direct_p50"]),
-                ms(m["service_p50"]),
-                ms(m["added_p50"]),
-                ms(m["paired_median"]),
-                ms(m["direct_p99"]),
-                ms(m["service_p99"]),
-                ms(m["added_p99"]),
-                ms(m["service_cpu"]),
-                " / ".join(ms(x) for x in result["added_p50_rounds"]),
-                verdict(m["added_p50"] <= 0.0015),
-            ]
-        )
+        row = [
+            name,
+            ms(m["direct_p50"]),
+            ms(m["service_p50"]),
+            ms(m["added_p50"]),
+            ms(m["paired_median"]),
+            ms(m["direct_p99"]),
+            ms(m["service_p99"]),
+            ms(m["added_p99"]),
+            ms(m["service_cpu"]),
+            " / ".join(ms(x) for x in result["added_p50_rounds"]),
+            verdict(m["added_p50"] <= 0.0015),
+        ]
+        if floor is not None:
+            row[4:4] = [ms(m["floor_added_p50"]), ms(m["added_p50"] - m["floor_added_p50"])]
+        rows.append(row)
     headers = [
         "mode",
         "direct p50 ms",
@@ -498,10 +525,23 @@ def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: i
         "added p50 per round",
         "target p50 ≤ 1.5 ms",
     ]
+    arms = "both arms"
+    floor_note = ""
+    if floor is not None:
+        headers[4:4] = ["floor relay added p50 ms", "chatroute over the floor ms"]
+        arms = "all three arms, every order of them once in six"
+        floor_note = (
+            " Floor relay = a third arm in the same rotations through `bench/proxy_floor.py`'s "
+            "rung 4, the stack chatroute's chat endpoint runs on (its HTTP protocol and "
+            "provider pool) relaying the bytes with no chatroute code: what any gateway on "
+            "that stack adds on this machine at this moment. Chatroute over the floor = "
+            "chatroute's added p50 minus the floor's: its own work (reading and checking the "
+            "request, routing, failover, tracing, the upstream request, the answer's mapping)."
+        )
     return "\n".join(
         [
-            f"### a. Proxy overhead, concurrency 1, forced route ({args.pairs} interleaved pairs "
-            "per round, `httpx.Client` for both arms)",
+            f"### a. Proxy overhead, concurrency 1, forced route ({args.pairs} interleaved "
+            f"rotations per round, `httpx.Client` for {arms})",
             "",
             table(headers, rows),
             "",
@@ -509,7 +549,7 @@ def overhead_section(args: argparse.Namespace, direct: str, through: str, pid: i
             "",
             "Added = chatroute minus direct, per percentile; paired median = median over pairs "
             "of (chatroute - direct); service CPU = the service process's CPU time per request "
-            "(whole stream for streaming). Published third-party figures for comparison: "
+            f"(whole stream for streaming).{floor_note} Published third-party figures for comparison: "
             "LiteLLM 4.3 ms, Portkey 2.4 ms, Bifrost 0.4 ms (their machines, not this one). "
             "What the serving stack itself adds on this machine, layer by layer: the "
             "proxy-overhead floor below (`bench/proxy_floor.py`).",
@@ -646,7 +686,14 @@ def run(args: argparse.Namespace) -> str:
             path = "/v1/messages" if args.provider == "anthropic" else "/v1/chat/completions"
             direct = f"http://127.0.0.1:{upstream_port}{path}"
             through = f"http://127.0.0.1:{port}/v1/chat/completions"
-            sections.append(overhead_section(args, direct, through, pid))
+            floor = None
+            if args.provider == "openai" and not args.no_floor:
+                from bench.proxy_floor import start_relay  # it imports this module
+
+                relay_port = _free_port()
+                start_relay(stack, "4", upstream_port, relay_port, workdir)
+                floor = f"http://127.0.0.1:{relay_port}/v1/chat/completions"
+            sections.append(overhead_section(args, direct, through, pid, floor))
         if "b" in args.sections or "c" in args.sections:
             sections.append(load_sections(args, config, texts, port, pid))
     title = "## Service (issue 4 targets)"
@@ -693,6 +740,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=float, default=10.0, help="the upstream's latency")
     parser.add_argument("--sections", default="abc", help="which of a, b, c to run")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="a. without the third arm through a relay with no chatroute code",
+    )
     parser.add_argument(
         "--provider",
         choices=("openai", "anthropic"),
