@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from collections.abc import Callable, Iterator
@@ -219,3 +220,60 @@ def test_config_names_the_anthropic_keys_at_fault() -> None:
             },
             environ={},
         )
+
+
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+
+
+def test_images_and_pdfs_become_anthropic_blocks(stack: Stack) -> None:
+    stack.client.chat.completions.create(
+        model="claude",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "compare these"},
+                    {"type": "image_url", "image_url": {"url": PNG}},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/b.jpg"}},
+                    {
+                        "type": "file",
+                        "file": {
+                            "file_data": "data:application/pdf;base64,JVBERi0=",
+                            "filename": "r.pdf",
+                        },
+                    },
+                ],
+            }
+        ],
+    )
+    content = stack.claude.requests[0].json["messages"][0]["content"]
+    assert content == [
+        {"type": "text", "text": "compare these"},
+        {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": PNG.split(",")[1]},
+        },
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/b.jpg"}},
+        {
+            "type": "document",
+            "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+            "title": "r.pdf",
+        },
+    ]
+
+
+def test_audio_for_anthropic_is_400_and_not_sent(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client.chat.completions.create(
+            model="claude",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_audio", "input_audio": {"data": "AA==", "format": "mp3"}}
+                    ],
+                }
+            ],
+        )
+    assert "audio/mpeg" in str(caught.value)
+    assert stack.claude.requests == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -373,3 +374,121 @@ def test_metrics_report_routes_providers_failovers_and_embedder(stack: Stack) ->
         line for line in text.splitlines() if line.startswith("chatroute_embedder_batch_size_count")
     ]
     assert batches and float(batches[0].split()[-1]) >= 1
+
+
+# -------------------------------------------------------------------------- images, audio, files
+
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+
+
+def test_images_audio_and_files_reach_the_upstream_as_sent_and_route_by_the_text(
+    stack: Stack,
+) -> None:
+    parts: list[Any] = [
+        {"type": "text", "text": "there is a bug in my python code, "},
+        {"type": "image_url", "image_url": {"url": PNG, "detail": "high"}},
+        {"type": "text", "text": "this screenshot shows the stack trace"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/trace.png"}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {
+            "type": "file",
+            "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "log.pdf"},
+        },
+        {"type": "file", "file": {"file_id": "file-abc123"}},
+    ]
+    raw = stack.client.chat.completions.with_raw_response.create(
+        model="auto",
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": parts},
+        ],
+    )
+    # The text parts decide the route; the media travel on untouched, in their order.
+    assert raw.headers["x-chatroute-route"] == "code"
+    assert raw.parse().choices[0].message.content == "Hello from the fake upstream."
+    sent = stack.fast.requests[0].json["messages"]
+    assert sent[0] == {"role": "system", "content": "be brief"}
+    assert sent[1] == {"role": "user", "content": parts}
+
+
+def test_an_image_only_message_goes_to_the_default_route_streaming(stack: Stack) -> None:
+    stack.strong.default = Ok("a cat")
+    stream = stack.client.chat.completions.create(
+        model="auto",
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG}}]}],
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "a cat"
+    sent = stack.strong.requests[0].json["messages"]
+    assert sent == [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG}}]}]
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "fragment"),
+    [
+        ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, ".image_url.url", "http"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png,abc"}},
+            ".image_url.url",
+            "base64",
+        ),
+        ({"type": "image_url"}, ".image_url", "needs"),
+        (
+            {"type": "input_audio", "input_audio": {"data": "AA==", "format": "ogg"}},
+            ".input_audio.format",
+            "wav, mp3",
+        ),
+        ({"type": "file", "file": {"filename": "a.pdf"}}, ".file", "file_data or file_id"),
+        ({"type": "video_url", "video_url": {"url": "https://x"}}, "", "not supported"),
+    ],
+)
+def test_a_malformed_media_part_is_400_naming_the_field(
+    stack: Stack, part: dict[str, Any], param: str, fragment: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client.chat.completions.create(
+            model="code",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}],
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == f"messages[0].content[1]{param}"
+    assert fragment in error["message"]
+    assert stack.fast.attempts == 0 and stack.strong.attempts == 0
+
+
+def test_media_outside_user_messages_is_400(stack: Stack) -> None:
+    r = stack.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "code",
+            "messages": [
+                {"role": "system", "content": [{"type": "image_url", "image_url": {"url": PNG}}]},
+                {"role": "user", "content": "hi"},
+            ],
+        },
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[0].content[0]"
+    assert "user messages" in r.json()["error"]["message"]
+    assert stack.fast.attempts == 0
+
+
+def test_route_reads_the_text_of_a_message_with_an_image(stack: Stack) -> None:
+    r = stack.http.post(
+        "/v1/route",
+        json={
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": PNG}},
+                        {"type": "text", "text": "solve this equation for x"},
+                    ],
+                }
+            ]
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["route"] == "math"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,10 +17,13 @@ __all__ = [
     "ChatResponseUpdate",
     "ChatRole",
     "Content",
+    "DataContent",
     "FunctionCallContent",
     "FunctionResultContent",
+    "HostedFileContent",
     "TextContent",
     "TextReasoningContent",
+    "UriContent",
     "UsageDetails",
 ]
 
@@ -82,6 +87,106 @@ class FunctionResultContent(Content):
 
     call_id: str
     result: Any
+
+
+def _media_type_of(uri: str) -> str:
+    """The media type of a base64 `data:` URI; ValueError for anything else."""
+    if not uri.startswith("data:"):
+        raise ValueError("a data URI starts with 'data:'")
+    header, sep, _ = uri.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ValueError("a data URI needs ';base64,' before its data")
+    media_type = header[5:-7].split(";", 1)[0].strip().lower()
+    if media_type.count("/") != 1 or " " in media_type or media_type.startswith("/"):
+        raise ValueError(f"a data URI needs a media type such as image/png, got {media_type!r}")
+    return media_type
+
+
+@dataclass(init=False)
+class DataContent(Content):
+    """Inline data (an image, audio, a document) as a base64 `data:` URI.
+
+    The URI is kept as given, so a request passes through a gateway without its data being
+    decoded and encoded again; `data` decodes it when asked. `name` is a file name, where
+    the format carries one; `additional_properties` holds what a wire format attaches to
+    the part (OpenAI's image `detail`, for one).
+    """
+
+    uri: str
+    media_type: str
+    name: str | None
+    additional_properties: dict[str, Any] | None
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        name: str | None = None,
+        additional_properties: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(uri, str):
+            raise TypeError(f"uri must be a str, got {type(uri).__name__}")
+        self.media_type = _media_type_of(uri)
+        self.uri = uri
+        self.name = name
+        self.additional_properties = additional_properties
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: bytes,
+        media_type: str,
+        *,
+        name: str | None = None,
+        additional_properties: dict[str, Any] | None = None,
+    ) -> DataContent:
+        """Content from raw bytes and their media type."""
+        encoded = base64.b64encode(data).decode("ascii")
+        return cls(
+            f"data:{media_type};base64,{encoded}",
+            name=name,
+            additional_properties=additional_properties,
+        )
+
+    @property
+    def base64_data(self) -> str:
+        """The base64 text after the URI's comma."""
+        return self.uri.partition(",")[2]
+
+    @property
+    def data(self) -> bytes:
+        """The decoded bytes; ValueError when the base64 text is not valid."""
+        try:
+            return base64.b64decode(self.base64_data, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"the data URI's base64 text is not valid: {exc}") from None
+
+    def has_top_level_media_type(self, top: str) -> bool:
+        """Whether the media type is `top`/* (image, audio, ...)."""
+        return self.media_type.startswith(top + "/")
+
+    def __repr__(self) -> str:  # the data itself can be megabytes
+        return (
+            f"DataContent(media_type={self.media_type!r}, "
+            f"{len(self.base64_data)} base64 characters, name={self.name!r})"
+        )
+
+
+@dataclass
+class UriContent(Content):
+    """Content referred to by URL (an image on the web); `media_type` when it is known."""
+
+    uri: str
+    media_type: str | None = None
+    additional_properties: dict[str, Any] | None = None
+
+
+@dataclass
+class HostedFileContent(Content):
+    """A file already uploaded to the provider, by the provider's id for it."""
+
+    file_id: str
+    name: str | None = None
 
 
 @dataclass

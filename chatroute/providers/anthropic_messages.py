@@ -28,10 +28,13 @@ from chatroute.chat.types import (
     ChatResponseUpdate,
     ChatRole,
     Content,
+    DataContent,
     FunctionCallContent,
     FunctionResultContent,
+    HostedFileContent,
     TextContent,
     TextReasoningContent,
+    UriContent,
     UsageDetails,
 )
 from chatroute.providers._checks import check_call_args, check_client_args
@@ -107,6 +110,44 @@ def _tool_input(call: FunctionCallContent) -> Any:
         ) from None
 
 
+# The image types the Messages API takes.
+_IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+
+
+def _media_block(content: DataContent | UriContent | HostedFileContent) -> dict[str, Any]:
+    """The Messages API block for an image or a document; ValueError for what the API
+    cannot take (audio, files uploaded elsewhere, other types)."""
+    if isinstance(content, UriContent):
+        return {"type": "image", "source": {"type": "url", "url": content.uri}}
+    if isinstance(content, HostedFileContent):
+        raise ValueError(
+            f"file {content.file_id!r} was uploaded to another provider; "
+            "the Anthropic Messages API cannot read it"
+        )
+    media_type = content.media_type
+    if media_type in _IMAGE_TYPES:
+        source = {"type": "base64", "media_type": media_type, "data": content.base64_data}
+        return {"type": "image", "source": source}
+    if media_type == "application/pdf":
+        source = {"type": "base64", "media_type": media_type, "data": content.base64_data}
+        block: dict[str, Any] = {"type": "document", "source": source}
+    elif media_type == "text/plain":
+        try:
+            text = content.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("a text/plain document is not UTF-8") from None
+        source = {"type": "text", "media_type": media_type, "data": text}
+        block = {"type": "document", "source": source}
+    else:
+        raise ValueError(
+            f"the Anthropic Messages API takes images (jpeg, png, gif, webp) and PDF or "
+            f"plain-text documents, not {media_type}"
+        )
+    if content.name:
+        block["title"] = content.name
+    return block
+
+
 def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
     """The Messages API content blocks of one non-system message."""
     blocks: list[dict[str, Any]] = []
@@ -131,6 +172,8 @@ def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
                     "content": _result_text(content.result),
                 }
             )
+        elif isinstance(content, (DataContent, UriContent, HostedFileContent)):
+            blocks.append(_media_block(content))
         elif isinstance(content, TextReasoningContent) and content.protected_data:
             # Earlier thinking goes back only with the signature the API issued for it
             # (thinking with tool use needs it); reasoning without one is left out.

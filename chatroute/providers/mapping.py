@@ -14,10 +14,13 @@ from chatroute.chat.types import (
     ChatResponseUpdate,
     ChatRole,
     Content,
+    DataContent,
     FunctionCallContent,
     FunctionResultContent,
+    HostedFileContent,
     TextContent,
     TextReasoningContent,
+    UriContent,
     UsageDetails,
 )
 
@@ -25,6 +28,8 @@ __all__ = [
     "OPENAI_EXTRA_FIELDS",
     "build_request",
     "finish_reason_from_openai",
+    "media_part_from_openai",
+    "media_part_to_openai",
     "message_from_openai",
     "messages_from_openai",
     "messages_to_openai",
@@ -100,6 +105,92 @@ def _result_text(result: Any) -> str:
 
 # ---------------------------------------------------------------------------- requests
 
+_MEDIA = (DataContent, UriContent, HostedFileContent)  # a tuple: no union object per call
+# The audio media types OpenAI takes as `input_audio`, by the format it names them.
+_AUDIO_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3", "audio/mp3": "mp3"}
+
+
+def media_part_to_openai(content: DataContent | UriContent | HostedFileContent) -> dict[str, Any]:
+    """The OpenAI content part for an image, audio or file content.
+
+    Images (a data URI of an image type, or any URL) become `image_url` parts, with their
+    `detail`; wav and mp3 audio becomes `input_audio`; other data and uploaded files become
+    `file` parts.
+    """
+    if isinstance(content, UriContent):
+        image: dict[str, Any] = {"url": content.uri}
+        image.update(content.additional_properties or {})
+        return {"type": "image_url", "image_url": image}
+    if isinstance(content, HostedFileContent):
+        file: dict[str, Any] = {"file_id": content.file_id}
+        if content.name:
+            file["filename"] = content.name
+        return {"type": "file", "file": file}
+    if content.has_top_level_media_type("image"):
+        image = {"url": content.uri}
+        image.update(content.additional_properties or {})
+        return {"type": "image_url", "image_url": image}
+    audio_format = _AUDIO_FORMATS.get(content.media_type)
+    if audio_format is not None:
+        return {
+            "type": "input_audio",
+            "input_audio": {"data": content.base64_data, "format": audio_format},
+        }
+    file = {"file_data": content.uri}
+    if content.name:
+        file["filename"] = content.name
+    return {"type": "file", "file": file}
+
+
+def _content_parts(contents: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """A message's text and media as OpenAI content parts, in order; None when it has no
+    image, audio or file (its content is then plain text)."""
+    if not any(isinstance(c, _MEDIA) for c in contents):
+        return None
+    parts: list[dict[str, Any]] = []
+    for content in contents:
+        if isinstance(content, TextContent):
+            if content.text:
+                parts.append({"type": "text", "text": content.text})
+        elif isinstance(content, _MEDIA):
+            parts.append(media_part_to_openai(content))
+    return parts
+
+
+def media_part_from_openai(part: Mapping[str, Any]) -> Content | None:
+    """The content of an OpenAI image, audio or file part; None for another type.
+
+    Raises ValueError for a part of one of those types that is malformed.
+    """
+    kind = part.get("type")
+    if kind == "image_url":
+        image = _fields(part.get("image_url"))
+        url = image.get("url")
+        if not isinstance(url, str):
+            raise ValueError("an image_url part needs a string 'url'")
+        detail = image.get("detail")
+        extra = {"detail": detail} if isinstance(detail, str) else None
+        if url.startswith("data:"):
+            return DataContent(url, additional_properties=extra)
+        return UriContent(url, None, extra)
+    if kind == "input_audio":
+        audio = _fields(part.get("input_audio"))
+        data, fmt = audio.get("data"), audio.get("format")
+        if not isinstance(data, str) or not isinstance(fmt, str):
+            raise ValueError("an input_audio part needs string 'data' and 'format'")
+        media_type = "audio/mpeg" if fmt == "mp3" else f"audio/{fmt}"
+        return DataContent(f"data:{media_type};base64,{data}")
+    if kind == "file":
+        file = _fields(part.get("file"))
+        name = file.get("filename")
+        name = name if isinstance(name, str) else None
+        if isinstance(file.get("file_id"), str):
+            return HostedFileContent(file["file_id"], name)
+        if isinstance(file.get("file_data"), str):
+            return DataContent(file["file_data"], name=name)
+        raise ValueError("a file part needs a string 'file_data' or 'file_id'")
+    return None
+
 
 def messages_to_openai(
     messages: Sequence[ChatMessage],
@@ -159,7 +250,10 @@ def messages_to_openai(
             continue
 
         entry = {"role": message.role.value}
-        if message.role is ChatRole.ASSISTANT:
+        parts = _content_parts(message.contents)
+        if parts is not None and message.role is not ChatRole.ASSISTANT:
+            entry["content"] = parts  # text with images, audio or files, in order
+        elif message.role is ChatRole.ASSISTANT:
             entry["content"] = text if (text or not calls) else None
             if calls:
                 entry["tool_calls"] = [
@@ -359,9 +453,18 @@ def _contents_of(data: Mapping[str, Any], *, streaming: bool) -> list[Content]:
     if isinstance(text, str) and text:
         contents.append(TextContent(text))
     elif isinstance(text, list):
-        joined = "".join(part.get("text", "") for part in text if isinstance(part, Mapping))
-        if joined:
-            contents.append(TextContent(joined))
+        parts = [_fields(p) for p in text if isinstance(p, Mapping) or hasattr(p, "model_dump")]
+        media = [media_part_from_openai(part) for part in parts]
+        if any(m is not None for m in media):  # text with images, audio or files, in order
+            for part, item in zip(parts, media, strict=True):
+                if item is not None:
+                    contents.append(item)
+                elif isinstance(part.get("text"), str) and part["text"]:
+                    contents.append(TextContent(part["text"]))
+        else:
+            joined = "".join(t for part in parts if isinstance(t := part.get("text"), str))
+            if joined:
+                contents.append(TextContent(joined))
     for n, call in enumerate(data.get("tool_calls") or []):
         call = _fields(call)
         function = _fields(call.get("function"))

@@ -20,10 +20,13 @@ from chatroute.chat.types import (
     ChatResponseUpdate,
     ChatRole,
     Content,
+    DataContent,
     FunctionCallContent,
     FunctionResultContent,
+    HostedFileContent,
     TextContent,
     TextReasoningContent,
+    UriContent,
     UsageDetails,
 )
 from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS
@@ -87,11 +90,37 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class ImageURL(_Lenient):
+    """An image part's image: an http(s) URL or a base64 `data:` URI."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputAudio(_Lenient):
+    """An audio part's sound: base64 data and its format."""
+
+    data: str
+    format: str
+
+
+class FilePart(_Lenient):
+    """A file part's file: its data as a `data:` URI, or the id of an uploaded file."""
+
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
 class ContentPart(_Lenient):
-    """One part of a message's content; only text parts are supported."""
+    """One part of a message's content: text, or (in user messages) an image, audio or a
+    file, in the field its type names."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+    file: FilePart | None = None
 
 
 class ToolCallFunction(_Lenient):
@@ -208,21 +237,97 @@ class ClassifyRequest(_Strict):
 # ----------------------------------------------------------------------------- requests
 
 
-def _message_text(message: WireMessage, position: int) -> str | None:
+# OpenAI's audio formats and the media types they travel under.
+_AUDIO_MEDIA_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+
+
+def _invalid_part(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_content")
+
+
+def _media_part(part: ContentPart, param: str) -> Content:
+    """The content of one image, audio or file part; APIError naming the field at fault when
+    the part is not one of those or is malformed."""
+    if part.type == "image_url":
+        image = part.image_url
+        if image is None:
+            raise _invalid_part(f"{param}.image_url", "an image_url part needs 'image_url'")
+        extra = {"detail": image.detail} if image.detail is not None else None
+        url = image.url
+        if url.startswith(("https://", "http://")):
+            return UriContent(url, None, extra)
+        if url.startswith("data:"):
+            try:
+                return DataContent(url, additional_properties=extra)
+            except ValueError as exc:
+                raise _invalid_part(f"{param}.image_url.url", str(exc)) from None
+        raise _invalid_part(
+            f"{param}.image_url.url", "image_url.url must be http(s):// or a base64 data: URI"
+        )
+    if part.type == "input_audio":
+        audio = part.input_audio
+        if audio is None:
+            raise _invalid_part(f"{param}.input_audio", "an input_audio part needs 'input_audio'")
+        media_type = _AUDIO_MEDIA_TYPES.get(audio.format)
+        if media_type is None:
+            raise _invalid_part(
+                f"{param}.input_audio.format",
+                f"input_audio.format {audio.format!r} is not one of wav, mp3",
+            )
+        return DataContent(f"data:{media_type};base64,{audio.data}")
+    if part.type == "file":
+        file = part.file
+        if file is None:
+            raise _invalid_part(f"{param}.file", "a file part needs 'file'")
+        if file.file_id is not None and file.file_data is None:
+            return HostedFileContent(file.file_id, file.filename)
+        if file.file_data is not None and file.file_id is None:
+            try:
+                return DataContent(file.file_data, name=file.filename)
+            except ValueError as exc:
+                raise _invalid_part(f"{param}.file.file_data", str(exc)) from None
+        raise _invalid_part(f"{param}.file", "a file part needs one of file_data or file_id")
+    raise APIError(
+        400,
+        f"content part type {part.type!r} is not supported; "
+        "use text, image_url, input_audio or file",
+        param=param,
+        code="unsupported_content",
+    )
+
+
+def _message_contents(
+    message: WireMessage, position: int, prefix: str
+) -> tuple[str | None, list[Content]]:
+    """A message's text (its text parts joined; None for no content) and, when it has image,
+    audio or file parts, all its parts in order as contents (else an empty list)."""
     content = message.content
     if content is None or isinstance(content, str):
-        return content
-    pieces = []
+        return content, []
+    texts: list[str] = []
+    parts: list[Content] = []
+    media = False
     for index, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise APIError(
-                400,
-                f"content part type {part.type!r} is not supported; only text parts are",
-                param=f"messages[{position}].content[{index}]",
-                code="unsupported_content",
-            )
-        pieces.append(part.text)
-    return "".join(pieces)
+        param = f"{prefix}[{position}].content[{index}]"
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+            if part.text:
+                parts.append(TextContent(part.text))
+            continue
+        if part.type != "text" and message.role == "user":
+            parts.append(_media_part(part, param))
+            media = True
+            continue
+        if part.type == "text":
+            raise APIError(400, f"{param}: a text part needs its 'text'", param=param)
+        raise APIError(
+            400,
+            f"content part type {part.type!r} is not supported in a {message.role} message; "
+            "images, audio and files go in user messages",
+            param=param,
+            code="unsupported_content",
+        )
+    return "".join(texts), parts if media else []
 
 
 def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -> list[ChatMessage]:
@@ -230,8 +335,11 @@ def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -
     out: list[ChatMessage] = []
     for position, message in enumerate(wire):
         param = f"{prefix}[{position}]"
-        text = _message_text(message, position)
+        text, media = _message_contents(message, position, prefix)
         role = _ROLES[message.role]
+        if media:  # a user message with images, audio or files: its parts in order
+            out.append(ChatMessage(role, contents=media, author_name=message.name))
+            continue
         contents: list[Content] = []
         if role is ChatRole.TOOL:
             if not message.tool_call_id:
