@@ -492,3 +492,46 @@ def test_route_reads_the_text_of_a_message_with_an_image(stack: Stack) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["route"] == "math"
+
+
+# -------------------------------------------------------------------------- refusals, logprobs
+
+
+def test_a_refusal_reaches_the_caller_whole_and_streamed(stack: Stack) -> None:
+    stack.fast.default = Ok("", refusal="I can't help with that.")
+    completion = stack.chat("fix this bug", model="code").parse()
+    message = completion.choices[0].message
+    assert message.refusal == "I can't help with that."
+    assert message.content is None
+
+    stream = stack.client.chat.completions.create(
+        model="code", messages=[{"role": "user", "content": "fix this bug"}], stream=True
+    )
+    chunks = list(stream)
+    refusal = "".join(c.choices[0].delta.refusal or "" for c in chunks if c.choices)
+    assert refusal == "I can't help with that."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_reach_the_caller_whole_and_streamed(stack: Stack) -> None:
+    stack.fast.default = Ok("two words", logprobs=True)
+    completion = stack.chat("fix this bug", model="code", logprobs=True).parse()
+    assert stack.fast.requests[0].json["logprobs"] is True  # the request field is forwarded
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [t.token for t in logprobs.content] == ["two ", "words"]
+    assert logprobs.content[0].logprob == -0.25
+
+    stream = stack.client.chat.completions.create(
+        model="code",
+        messages=[{"role": "user", "content": "fix this bug"}],
+        stream=True,
+        logprobs=True,
+    )
+    tokens = [
+        t.token
+        for c in stream
+        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+        for t in c.choices[0].logprobs.content
+    ]
+    assert tokens == ["two ", "words"]

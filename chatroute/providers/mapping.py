@@ -591,6 +591,9 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     fingerprint = data.get("system_fingerprint")
     if fingerprint:
         props["system_fingerprint"] = fingerprint
+    logprobs = choice.get("logprobs")
+    if logprobs is not None:
+        props["logprobs"] = _plain(logprobs) if not isinstance(logprobs, Mapping) else logprobs
     return ChatResponse(
         messages=[message],
         model_id=_str_or_none(data.get("model")),
@@ -614,6 +617,7 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
     role: ChatRole | None = None
     contents: list[Content] = []
     finish: ChatFinishReason | str | None = None
+    props: dict[str, Any] | None = {"provider": provider} if provider is not None else None
     if choice is not None:
         delta = choice.get("delta")
         if delta is None:
@@ -630,6 +634,14 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
                     role = ChatRole.ASSISTANT
         contents = _contents_of(delta, streaming=True)
         finish = finish_reason_from_openai(choice.get("finish_reason"))
+        refusal = delta.get("refusal")
+        logprobs = choice.get("logprobs")
+        if (isinstance(refusal, str) and refusal) or logprobs is not None:
+            props = dict(props or {})
+            if isinstance(refusal, str) and refusal:
+                props["refusal"] = refusal
+            if logprobs is not None:
+                props["logprobs"] = logprobs if isinstance(logprobs, Mapping) else _plain(logprobs)
     return ChatResponseUpdate(
         role=role,
         contents=contents,
@@ -639,5 +651,5 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
         usage=usage_from_openai(data.get("usage")),
         created_at=_created(data.get("created")),
         raw_representation=chunk,
-        additional_properties={"provider": provider} if provider is not None else None,
+        additional_properties=props,
     )

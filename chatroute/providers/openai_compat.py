@@ -79,7 +79,8 @@ _TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per cal
 
 
 def _is_content(update: ChatResponseUpdate) -> bool:
-    """Whether an update carries content (text, reasoning or a tool call), not just metadata."""
+    """Whether an update carries content (text, reasoning, a tool call or a refusal), not just
+    metadata."""
     for content in update.contents:
         if isinstance(content, _TEXTS):
             if content.text:
@@ -88,7 +89,8 @@ def _is_content(update: ChatResponseUpdate) -> bool:
             return True
         else:
             return True
-    return False
+    props = update.additional_properties
+    return props is not None and "refusal" in props  # set only for refusal text
 
 
 def _merge(held: list[ChatResponseUpdate], update: ChatResponseUpdate) -> ChatResponseUpdate:

@@ -573,8 +573,12 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
     """The JSON body of a non-streamed chat completion."""
     text: list[str] = []
     reasoning: list[str] = []
+    refusal: list[str] = []
     calls: list[dict[str, Any]] = []
     for message in response.messages:
+        extra = message.additional_properties
+        if extra and isinstance(extra.get("refusal"), str):
+            refusal.append(extra["refusal"])
         for content in message.contents:
             if isinstance(content, TextContent):
                 text.append(content.text)
@@ -583,17 +587,23 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
             elif isinstance(content, FunctionCallContent):
                 calls.append(_tool_call(content))
     message_body: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if refusal:
+        message_body["refusal"] = "".join(refusal)
     if reasoning:
         message_body["reasoning_content"] = "".join(reasoning)
     if calls:
         message_body["tool_calls"] = calls
     finish = _finish(response.finish_reason) or ("tool_calls" if calls else "stop")
+    choice: dict[str, Any] = {"index": 0, "message": message_body, "finish_reason": finish}
+    props = response.additional_properties
+    if props and props.get("logprobs") is not None:
+        choice["logprobs"] = props["logprobs"]
     body: dict[str, Any] = {
         "id": response.response_id or _new_id(),
         "object": "chat.completion",
         "created": created or int(response.created_at or time.time()),
         "model": response.model_id or model,
-        "choices": [{"index": 0, "message": message_body, "finish_reason": finish}],
+        "choices": [choice],
     }
     if response.usage is not None:
         body["usage"] = usage_body(response.usage)
@@ -608,7 +618,8 @@ _TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per cal
 
 
 def has_content(update: ChatResponseUpdate) -> bool:
-    """Whether an update carries output: text, reasoning, a tool call or a finish reason."""
+    """Whether an update carries output: text, reasoning, a tool call, a refusal or a finish
+    reason."""
     if update.finish_reason is not None:
         return True
     for content in update.contents:
@@ -617,7 +628,8 @@ def has_content(update: ChatResponseUpdate) -> bool:
                 return True
         elif isinstance(content, FunctionCallContent):
             return True
-    return False
+    props = update.additional_properties
+    return bool(props and props.get("refusal"))
 
 
 class StreamEncoder:
@@ -685,6 +697,13 @@ class StreamEncoder:
             delta["reasoning_content"] = "".join(reasoning)
         if calls:
             delta["tool_calls"] = calls
+        props = update.additional_properties
+        logprobs = None
+        if props:
+            refusal = props.get("refusal")
+            if isinstance(refusal, str) and refusal:
+                delta["refusal"] = refusal
+            logprobs = props.get("logprobs")
         finish = _finish(update.finish_reason)
         if not self._role_sent:
             if not delta and finish is None:
@@ -693,7 +712,9 @@ class StreamEncoder:
             self._role_sent = True
         elif not delta and finish is None:
             return b""
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return _sse(self._chunk([choice], update.model_id))
 
     def finish(self) -> bytes:

@@ -28,8 +28,10 @@ the fake's own thread); otherwise ``default``. ``pending`` counts the unconsumed
 ``reset()`` forgets the script and the records. Behaviours:
 
 - ``Ok``: a normal answer. ``text`` is split into ``chunks`` pieces (default: one piece per
-  word); ``reasoning`` is streamed as ``reasoning_content`` before the text; ``tool_calls``
-  after it. ``model`` defaults to the requested model. A role-only first delta
+  word); ``reasoning`` is streamed as ``reasoning_content`` before the text, ``refusal``
+  as ``refusal`` deltas after it, ``tool_calls`` after the text; ``logprobs=True`` adds a
+  made-up ``logprobs`` object to the choice (streamed: to each content chunk). ``model``
+  defaults to the requested model. A role-only first delta
   (``{"role": "assistant", "content": ""}``) is sent before content unless
   ``role_chunk=False``; ``empty_choices_first`` and ``keepalives`` add non-content events
   before it. Timing: ``delay`` (before the status line), ``first_token_delay`` (after the
@@ -164,6 +166,8 @@ class Ok(Behaviour):
     pieces: Sequence[str] | None = None
     model: str | None = None
     reasoning: str | None = None
+    refusal: str | None = None
+    logprobs: bool = False
     tool_calls: Sequence[ToolCall] = ()
     finish_reason: str | None = "stop"
     prompt_tokens: int = 10
@@ -511,6 +515,17 @@ class _Conn:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.writer.transport.abort()
+
+
+def _logprobs(pieces: Sequence[str]) -> dict[str, Any]:
+    """OpenAI's `logprobs` object for text pieces, one token each, with made-up values."""
+    return {
+        "content": [
+            {"token": p, "logprob": -0.25, "bytes": list(p.encode()), "top_logprobs": []}
+            for p in pieces
+        ],
+        "refusal": None,
+    }
 
 
 def _sse(obj: Any) -> bytes:
@@ -1017,6 +1032,8 @@ class FakeUpstream:
         message: dict[str, Any] = {"role": "assistant", "content": ok.text or None}
         if ok.reasoning is not None:
             message["reasoning_content"] = ok.reasoning
+        if ok.refusal is not None:
+            message["refusal"] = ok.refusal
         if ok.tool_calls:
             message["tool_calls"] = [
                 {
@@ -1035,7 +1052,7 @@ class FakeUpstream:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": _logprobs(ok.text_pieces()) if ok.logprobs else None,
                     "finish_reason": self._finish(ok),
                 }
             ],
@@ -1071,6 +1088,8 @@ class FakeUpstream:
         include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            text = delta.get("content")
+            logprobs = _logprobs([text]) if ok.logprobs and text else None
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -1078,7 +1097,7 @@ class FakeUpstream:
                 "model": model,
                 "system_fingerprint": None,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 ],
             }
 
@@ -1086,6 +1105,8 @@ class FakeUpstream:
         deltas: list[dict[str, Any]] = []
         if ok.reasoning:
             deltas += [{"reasoning_content": p} for p in Ok(ok.reasoning).text_pieces()]
+        if ok.refusal:
+            deltas += [{"refusal": p} for p in Ok(ok.refusal).text_pieces()]
         text_pieces = ok.text_pieces()
         deltas += [{"content": p} for p in text_pieces]
         for i, tc in enumerate(ok.tool_calls):
