@@ -229,6 +229,7 @@ def test_response_mapping_of_blocks_usage_and_stop_reasons() -> None:
         "cache_creation_input_tokens": 20,
         "cache_read_input_tokens": 100,
     }
+    assert usage.cached_input_token_count == 100 and usage.reasoning_token_count is None
     for reason, expected in [
         ("end_turn", ChatFinishReason.STOP),
         ("max_tokens", ChatFinishReason.LENGTH),

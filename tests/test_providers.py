@@ -256,6 +256,10 @@ def test_finish_reasons_and_usage_details() -> None:
     assert usage is not None
     assert (usage.input_token_count, usage.output_token_count, usage.total_token_count) == (3, 4, 7)
     assert usage.additional_counts == {"reasoning_tokens": 2, "cached_tokens": 1}
+    assert (usage.cached_input_token_count, usage.reasoning_token_count) == (1, 2)
+    bare = usage_from_openai({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+    assert bare is not None
+    assert (bare.cached_input_token_count, bare.reasoning_token_count) == (None, None)
     assert usage_from_openai(None) is None
 
 

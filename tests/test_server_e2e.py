@@ -535,3 +535,33 @@ def test_logprobs_reach_the_caller_whole_and_streamed(stack: Stack) -> None:
         for t in c.choices[0].logprobs.content
     ]
     assert tokens == ["two ", "words"]
+
+
+def test_cached_and_reasoning_token_counts_and_the_fingerprint_reach_the_caller(
+    stack: Stack,
+) -> None:
+    details = {
+        "prompt_tokens_details": {"cached_tokens": 6},
+        "completion_tokens_details": {"reasoning_tokens": 4},
+    }
+    stack.fast.default = Ok("done", usage_extra=details, system_fingerprint="fp_42")
+    completion = stack.chat("fix this bug", model="code").parse()
+    assert completion.system_fingerprint == "fp_42"
+    usage = completion.usage
+    assert usage is not None
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 6
+    assert usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == 4
+
+    stream = stack.client.chat.completions.create(
+        model="code",
+        messages=[{"role": "user", "content": "fix this bug"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    last = list(stream)[-1]
+    assert last.usage is not None and last.usage.prompt_tokens_details is not None
+    assert last.usage.prompt_tokens_details.cached_tokens == 6
+    assert last.usage.completion_tokens_details is not None
+    assert last.usage.completion_tokens_details.reasoning_tokens == 4

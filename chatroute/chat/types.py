@@ -197,6 +197,10 @@ class UsageDetails:
     output_token_count: int | None = None
     total_token_count: int | None = None
     additional_counts: dict[str, int] = field(default_factory=dict)
+    # Of the input tokens, those read from the provider's prompt cache; of the output
+    # tokens, those spent on reasoning. None where the provider does not say.
+    cached_input_token_count: int | None = None
+    reasoning_token_count: int | None = None
 
 
 def _text_of(contents: Iterable[Content]) -> str:

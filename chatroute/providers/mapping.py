@@ -433,7 +433,18 @@ def usage_from_openai(usage: Any) -> UsageDetails | None:
         output_token_count=data.get("completion_tokens"),
         total_token_count=data.get("total_tokens"),
         additional_counts=extra,
+        cached_input_token_count=_detail(data, "prompt_tokens_details", "cached_tokens"),
+        reasoning_token_count=_detail(data, "completion_tokens_details", "reasoning_tokens"),
     )
+
+
+def _detail(usage: Mapping[str, Any], group: str, name: str) -> int | None:
+    """One count of a usage details object (`prompt_tokens_details.cached_tokens`)."""
+    details = usage.get(group)
+    if details is None:
+        return None
+    count = _fields(details).get(name)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _reasoning_of(obj: Mapping[str, Any]) -> str | None:

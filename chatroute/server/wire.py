@@ -558,7 +558,16 @@ def usage_body(usage: UsageDetails) -> dict[str, Any]:
     prompt = usage.input_token_count or 0
     completion = usage.output_token_count or 0
     total = usage.total_token_count if usage.total_token_count is not None else prompt + completion
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": total,
+    }
+    if usage.cached_input_token_count is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_input_token_count}
+    if usage.reasoning_token_count is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_token_count}
+    return body
 
 
 def _tool_call(call: FunctionCallContent) -> dict[str, Any]:
@@ -605,6 +614,8 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
         "model": response.model_id or model,
         "choices": [choice],
     }
+    if props and props.get("system_fingerprint"):
+        body["system_fingerprint"] = props["system_fingerprint"]
     if response.usage is not None:
         body["usage"] = usage_body(response.usage)
     return _dumps(body)

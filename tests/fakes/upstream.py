@@ -174,6 +174,7 @@ class Ok(Behaviour):
     completion_tokens: int | None = None
     usage_extra: Mapping[str, Any] | None = None
     response_id: str | None = None
+    system_fingerprint: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     delay: float = 0.0
     first_token_delay: float = 0.0
@@ -1058,6 +1059,8 @@ class FakeUpstream:
             ],
             "usage": self._usage(ok, len(ok.text_pieces())),
         }
+        if ok.system_fingerprint is not None:
+            answer["system_fingerprint"] = ok.system_fingerprint
         body = json.dumps(answer).encode()
         if ok.malformed_at is not None:
             body = b'{"id": "chatcmpl-broken", "choices": [ {"index": 0, "mess'
@@ -1095,7 +1098,7 @@ class FakeUpstream:
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
-                "system_fingerprint": None,
+                "system_fingerprint": ok.system_fingerprint,
                 "choices": [
                     {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 ],
