@@ -23,6 +23,7 @@ from tests.fakes import (
     Ok,
     RateLimited,
     Status,
+    ToolCall,
     Unavailable,
 )
 
@@ -565,3 +566,88 @@ def test_cached_and_reasoning_token_counts_and_the_fingerprint_reach_the_caller(
     assert last.usage.prompt_tokens_details.cached_tokens == 6
     assert last.usage.completion_tokens_details is not None
     assert last.usage.completion_tokens_details.reasoning_tokens == 4
+
+
+# -------------------------------------------------------------------------- a tool loop
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_loop_with_the_sdk_objects_sent_back(stack: Stack, stream: bool) -> None:
+    """The agent loop as SDK users write it: the assistant message the SDK returned is
+    appended as it is, then the tool's result, and the model answers."""
+    stack.strong.script(
+        Ok("", tool_calls=[ToolCall("get_weather", '{"city": "Paris"}', id="call_w1")]),
+        Ok("It is sunny in Paris."),
+    )
+    messages: list[Any] = [{"role": "user", "content": "what is the weather in Paris?"}]
+    if stream:
+        chunks = list(
+            stack.client.chat.completions.create(
+                model="general", messages=messages, tools=[WEATHER_TOOL], stream=True
+            )
+        )
+        calls: dict[int, dict[str, str]] = {}
+        for chunk in chunks:
+            for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function and delta.function.name) or ""
+                call["arguments"] += (delta.function and delta.function.arguments) or ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert calls == {
+            0: {"id": "call_w1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+        }
+        messages.append(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls.values()
+                ],
+            }
+        )
+    else:
+        first = stack.client.chat.completions.create(
+            model="general", messages=messages, tools=[WEATHER_TOOL]
+        )
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls is not None
+        call = choice.message.tool_calls[0]
+        assert call.id == "call_w1" and call.function.name == "get_weather"
+        messages.append(choice.message)  # the SDK's own object, sent back as it is
+    messages.append({"role": "tool", "tool_call_id": "call_w1", "content": '{"sky": "sunny"}'})
+    second = stack.client.chat.completions.create(
+        model="general", messages=messages, tools=[WEATHER_TOOL]
+    )
+    assert second.choices[0].message.content == "It is sunny in Paris."
+
+    first_sent, second_sent = (r.json for r in stack.strong.requests)
+    assert first_sent["tools"] == [WEATHER_TOOL]
+    assert second_sent["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_w1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_w1", "content": '{"sky": "sunny"}'},
+    ]
