@@ -168,3 +168,9 @@ def test_anthropic_blocks_for_images_and_documents() -> None:
 def test_what_anthropic_cannot_take_is_a_value_error(content: Any, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         messages_to_anthropic([ChatMessage(ChatRole.USER, contents=[content])])
+
+
+def test_an_earlier_refusal_goes_to_anthropic_as_the_turn_text() -> None:
+    refused = ChatMessage(ChatRole.ASSISTANT, additional_properties={"refusal": "No."})
+    _, turns = messages_to_anthropic([ChatMessage(ChatRole.USER, "q"), refused])
+    assert turns[1] == {"role": "assistant", "content": "No."}

@@ -651,3 +651,28 @@ def test_a_tool_loop_with_the_sdk_objects_sent_back(stack: Stack, stream: bool) 
         },
         {"role": "tool", "tool_call_id": "call_w1", "content": '{"sky": "sunny"}'},
     ]
+
+
+def test_a_refused_turn_sent_back_in_the_history_is_forwarded(stack: Stack) -> None:
+    """A conversation replayed after a refusal: the assistant turn has no content, only the
+    refusal (as the field the API returned, or as a refusal part)."""
+    stack.fast.default = Ok("Sure, here is a safer way.")
+    for refused in (
+        {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+        {
+            "role": "assistant",
+            "content": [{"type": "refusal", "refusal": "I can't help with that."}],
+        },
+    ):
+        stack.fast.reset()
+        answer = stack.client.chat.completions.create(
+            model="code",
+            messages=[
+                {"role": "user", "content": "fix this bug"},
+                refused,
+                {"role": "user", "content": "then explain it"},
+            ],
+        )
+        assert answer.choices[0].message.content == "Sure, here is a safer way."
+        sent = stack.fast.requests[0].json["messages"][1]
+        assert sent == {"role": "assistant", "content": None, "refusal": "I can't help with that."}

@@ -187,6 +187,9 @@ def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
                 )
             else:
                 blocks.append({"type": "redacted_thinking", "data": content.protected_data})
+    refusal = (message.additional_properties or {}).get("refusal")
+    if isinstance(refusal, str) and refusal and not any(b["type"] == "text" for b in blocks):
+        blocks.append({"type": "text", "text": refusal})  # an earlier refusal, as its text
     return blocks
 
 

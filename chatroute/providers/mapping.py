@@ -215,7 +215,11 @@ def messages_to_openai(
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
         contents = message.contents
-        if message.role is not ChatRole.TOOL and all(type(c) is TextContent for c in contents):
+        if (
+            contents
+            and message.role is not ChatRole.TOOL
+            and all(type(c) is TextContent for c in contents)
+        ):
             # The common message, text only: what the general path below gives for it.
             texts = cast(list[TextContent], contents)
             plain: dict[str, Any] = {
@@ -254,7 +258,8 @@ def messages_to_openai(
         if parts is not None and message.role is not ChatRole.ASSISTANT:
             entry["content"] = parts  # text with images, audio or files, in order
         elif message.role is ChatRole.ASSISTANT:
-            entry["content"] = text if (text or not calls) else None
+            refused = bool(extra.get("refusal"))
+            entry["content"] = text if (text or not (calls or refused)) else None
             if calls:
                 entry["tool_calls"] = [
                     {

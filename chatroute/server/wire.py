@@ -118,6 +118,7 @@ class ContentPart(_Lenient):
 
     type: str
     text: str | None = None
+    refusal: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
     file: FilePart | None = None
@@ -146,6 +147,7 @@ class WireMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's refusal, as the API returned it
 
 
 class FunctionDefinition(_Lenient):
@@ -298,13 +300,17 @@ def _media_part(part: ContentPart, param: str) -> Content:
 
 def _message_contents(
     message: WireMessage, position: int, prefix: str
-) -> tuple[str | None, list[Content]]:
-    """A message's text (its text parts joined; None for no content) and, when it has image,
-    audio or file parts, all its parts in order as contents (else an empty list)."""
+) -> tuple[str | None, list[Content], str | None]:
+    """A message's text (its text parts joined; None for no content); when it has image,
+    audio or file parts, all its parts in order as contents (else an empty list); and an
+    assistant's refusal (its `refusal` field and refusal parts), else None."""
     content = message.content
+    assistant = message.role == "assistant"
+    refusal = message.refusal if assistant else None
     if content is None or isinstance(content, str):
-        return content, []
+        return content, [], refusal
     texts: list[str] = []
+    refusals: list[str] = [refusal] if refusal else []
     parts: list[Content] = []
     media = False
     for index, part in enumerate(content):
@@ -314,12 +320,15 @@ def _message_contents(
             if part.text:
                 parts.append(TextContent(part.text))
             continue
+        if part.type == "refusal" and assistant and part.refusal is not None:
+            refusals.append(part.refusal)
+            continue
         if part.type != "text" and message.role == "user":
             parts.append(_media_part(part, param))
             media = True
             continue
-        if part.type == "text":
-            raise APIError(400, f"{param}: a text part needs its 'text'", param=param)
+        if part.type in ("text", "refusal"):
+            raise APIError(400, f"{param}: a {part.type} part needs its '{part.type}'", param=param)
         raise APIError(
             400,
             f"content part type {part.type!r} is not supported in a {message.role} message; "
@@ -327,7 +336,7 @@ def _message_contents(
             param=param,
             code="unsupported_content",
         )
-    return "".join(texts), parts if media else []
+    return "".join(texts), parts if media else [], "".join(refusals) or None
 
 
 def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -> list[ChatMessage]:
@@ -335,7 +344,7 @@ def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -
     out: list[ChatMessage] = []
     for position, message in enumerate(wire):
         param = f"{prefix}[{position}]"
-        text, media = _message_contents(message, position, prefix)
+        text, media, refusal = _message_contents(message, position, prefix)
         role = _ROLES[message.role]
         if media:  # a user message with images, audio or files: its parts in order
             out.append(ChatMessage(role, contents=media, author_name=message.name))
@@ -358,9 +367,16 @@ def to_chat_messages(wire: Sequence[WireMessage], *, prefix: str = "messages") -
                 contents.append(
                     FunctionCallContent(call.id, call.function.name, call.function.arguments, index)
                 )
-        if text is None and not message.tool_calls:
+        if text is None and not message.tool_calls and refusal is None:
             raise APIError(400, f"{param}: content is required", param=f"{param}.content")
-        out.append(ChatMessage(role, contents=contents, author_name=message.name))
+        out.append(
+            ChatMessage(
+                role,
+                contents=contents,
+                author_name=message.name,
+                additional_properties={"refusal": refusal} if refusal is not None else None,
+            )
+        )
     return out
 
 
