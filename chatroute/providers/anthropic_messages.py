@@ -364,15 +364,8 @@ def usage_from_anthropic(usage: Any) -> UsageDetails | None:
     output = output if isinstance(output, int) else None
     total_input = base + sum(extra.values()) if base is not None else None
     total = total_input + output if total_input is not None and output is not None else None
-    return UsageDetails(
-        total_input,
-        output,
-        total,
-        extra,
-        cached_input_token_count=extra.get("cache_read_input_tokens", 0)
-        if base is not None
-        else None,
-    )
+    cached = extra.get("cache_read_input_tokens", 0) if base is not None else None
+    return UsageDetails(total_input, output, total, extra, cached_input_token_count=cached)
 
 
 def _content_of(block: Any, tool_index: int) -> Content | None:
