@@ -150,3 +150,83 @@ def test_completion_envelope_values_of_the_wrong_kind_are_dropped(
 def test_completion_without_a_message_is_malformed(choices: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         response_from_openai(_completion(choices=choices))
+
+
+# The common chunk is read by a shorter path; it must give what the general reading gives.
+_CHUNK_FIELDS: dict[str, list[Any]] = {
+    "id": ["c1", "", None, 5],
+    "model": ["m", "", None, ["m"]],
+    "created": [1700000000, 1.5, True, None, "1"],
+    "usage": [None, {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}],
+}
+_CHOICE_FIELDS: dict[str, list[Any]] = {
+    "finish_reason": [None, "stop", "length"],
+    "logprobs": [None, {"content": []}],
+}
+_DELTAS: list[Any] = [
+    {},
+    {"content": "hi"},
+    {"content": ""},
+    {"content": None},
+    {"role": "assistant", "content": ""},
+    {"role": "assistant"},
+    {"role": "user", "content": "x"},
+    {"role": "developer", "content": "x"},
+    {"role": "", "content": "x"},
+    {"role": 3, "content": "x"},
+    {"content": 5},
+    {"content": [{"type": "text", "text": "a"}]},
+    {"content": "a", "reasoning_content": "r"},
+    {"content": "a", "refusal": "no"},
+    {"content": "a", "tool_calls": []},
+    None,
+    [],
+]
+
+
+def _chunks() -> list[Any]:
+    base = {
+        "id": "c1",
+        "model": "m",
+        "created": 1700000000,
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}],
+    }
+    out: list[Any] = []
+    for delta in _DELTAS:
+        chunk = dict(base)
+        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": None}]
+        out.append(chunk)
+    for field, values in _CHUNK_FIELDS.items():
+        for value in values:
+            out.append({**base, field: value})
+    for field, values in _CHOICE_FIELDS.items():
+        for value in values:
+            out.append({**base, "choices": [{**base["choices"][0], field: value}]})
+    out += [{**base, "choices": []}, {**base, "choices": [base["choices"][0]] * 2}]
+    out += [{**base, "choices": ["x"]}, {k: v for k, v in base.items() if k != "choices"}]
+    return out
+
+
+@pytest.mark.parametrize("chunk", _chunks())
+def test_the_common_chunk_reads_as_the_general_path_reads_it(chunk: Any) -> None:
+    from chatroute.providers.mapping import _plain_update, _read_update
+
+    fast = _plain_update(chunk, "p")
+    try:
+        general = _read_update(chunk, "p")
+    except (ValueError, TypeError, AttributeError):
+        assert fast is None  # what the general reading refuses is never taken as common
+        return
+    if fast is None:
+        return
+    assert fast == general
+    assert type(fast.created_at) is type(general.created_at)
+
+
+def test_the_common_chunks_of_a_stream_take_the_short_path() -> None:
+    from chatroute.providers.mapping import _plain_update
+
+    base = {"id": "c", "model": "m", "created": 1, "object": "chat.completion.chunk"}
+    for delta in ({"role": "assistant", "content": ""}, {"content": "word "}):
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        assert _plain_update({**base, "choices": [choice]}, "p") is not None

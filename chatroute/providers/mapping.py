@@ -622,12 +622,77 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     )
 
 
+# The delta fields of the common streamed chunk, read by `_plain_update`.
+_PLAIN_DELTA = frozenset({"role", "content"})
+
+
+def _plain_update(chunk: dict[str, Any], provider: str | None) -> ChatResponseUpdate | None:
+    """The update for the common decoded chunk (one choice whose delta has at most a known
+    role and string content; no finish reason, logprobs or usage), exactly as the general
+    reading gives it; None for any other chunk. Most chunks of a stream are this one."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict:
+        return None
+    delta = choice.get("delta")
+    if (
+        type(delta) is not dict
+        or not _PLAIN_DELTA.issuperset(delta)
+        or choice.get("finish_reason") is not None
+        or choice.get("logprobs") is not None
+        or chunk.get("usage") is not None
+    ):
+        return None
+    role_name = delta.get("role")
+    role = None
+    if role_name is not None:
+        role = _ROLE_OF.get(role_name) if type(role_name) is str else None
+        if role is None:
+            return None
+    text = delta.get("content")
+    if text is None:
+        contents: list[Content] = []
+    elif type(text) is str:
+        contents = [TextContent(text)] if text else []
+    else:
+        return None
+    model = chunk.get("model")
+    response_id = chunk.get("id")
+    created = chunk.get("created")
+    if (
+        (model is not None and type(model) is not str)
+        or (response_id is not None and type(response_id) is not str)
+        or (created is not None and type(created) is not int and type(created) is not float)
+    ):
+        return None
+    return ChatResponseUpdate(
+        role=role,
+        contents=contents,
+        model_id=model or None,
+        response_id=response_id or None,
+        created_at=float(created) if created is not None else None,
+        raw_representation=chunk,
+        additional_properties={"provider": provider} if provider is not None else None,
+    )
+
+
 def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> ChatResponseUpdate:
     """A ChatResponseUpdate from one streamed chunk (decoded JSON or SDK object).
 
     Only the first choice is read; a chunk without choices (usage, prompt filter results)
     gives an update with no contents. Raises ValueError on a malformed chunk.
     """
+    if type(chunk) is dict:
+        update = _plain_update(chunk, provider)
+        if update is not None:
+            return update
+    return _read_update(chunk, provider)
+
+
+def _read_update(chunk: Any, provider: str | None) -> ChatResponseUpdate:
+    """`update_from_openai_chunk` for any chunk (the general reading)."""
     data = _plain(chunk)
     choice = _first_choice(data)
     role: ChatRole | None = None
