@@ -230,3 +230,140 @@ def test_the_common_chunks_of_a_stream_take_the_short_path() -> None:
     for delta in ({"role": "assistant", "content": ""}, {"content": "word "}):
         choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
         assert _plain_update({**base, "choices": [choice]}, "p") is not None
+
+
+# The common answer is read by a shorter path too, held to the general reading the same way.
+_ANSWER_FIELDS: dict[str, list[Any]] = {
+    "id": ["r1", "", None, 5],
+    "model": ["m", "", None, 3],
+    "created": [1700000000, 2.5, False, None, "1"],
+    "system_fingerprint": ["fp_1", "", None],
+    "usage": [
+        None,
+        {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": True},
+        {"prompt_tokens": 1, "completion_tokens": 2},
+        {
+            "prompt_tokens": 1,
+            "completion_tokens": 2,
+            "total_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 1},
+        },
+        "lots",
+    ],
+}
+_ANSWER_CHOICE_FIELDS: dict[str, list[Any]] = {
+    "finish_reason": [None, "stop", "length", "tool_calls", "eos", 7],
+    "logprobs": [None, {"content": []}],
+}
+_MESSAGES: list[Any] = [
+    {"role": "assistant", "content": "hi"},
+    {"role": "assistant", "content": ""},
+    {"role": "assistant", "content": None},
+    {"content": "hi"},
+    {"role": "", "content": "hi"},
+    {"role": None, "content": "hi"},
+    {"role": "user", "content": "hi"},
+    {"role": "developer", "content": "hi"},
+    {"role": 0, "content": "hi"},
+    {"role": "assistant", "content": 5},
+    {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+    {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None},
+    {"role": "assistant", "content": "hi", "function_call": None, "tool_calls": None},
+    {"role": "assistant", "content": None, "refusal": "no"},
+    {"role": "assistant", "content": "hi", "name": "bot"},
+    {"role": "assistant", "content": "hi", "reasoning_content": "think"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+    {"role": "assistant", "content": "hi", "audio": {"id": "a"}},
+    None,
+    "hi",
+]
+
+
+def _answers() -> list[Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "hi"},
+        "finish_reason": "stop",
+    }
+    base = {
+        "id": "r1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+    }
+    out: list[Any] = [{**base, "choices": [{**choice, "message": m}]} for m in _MESSAGES]
+    for field, values in _ANSWER_FIELDS.items():
+        out += [{**base, field: value} for value in values]
+    for field, values in _ANSWER_CHOICE_FIELDS.items():
+        out += [{**base, "choices": [{**choice, field: value}]} for value in values]
+    out += [{**base, "choices": []}, {**base, "choices": [choice, choice]}, {**base, "choices": 1}]
+    return out
+
+
+def _response_fields(response: Any) -> tuple[Any, ...]:
+    messages = [
+        (m.role, m.contents, m.author_name, m.additional_properties) for m in response.messages
+    ]
+    return (
+        messages,
+        response.model_id,
+        response.finish_reason,
+        type(response.finish_reason),
+        response.usage,
+        response.response_id,
+        response.created_at,
+        type(response.created_at),
+        response.raw_representation,
+        response.additional_properties,
+    )
+
+
+@pytest.mark.parametrize("answer", _answers())
+def test_the_common_answer_reads_as_the_general_path_reads_it(answer: Any) -> None:
+    from chatroute.providers.mapping import _plain_response, _read_response
+
+    fast = _plain_response(answer, "p")
+    try:
+        general = _read_response(answer, "p")
+    except (ValueError, TypeError, AttributeError):
+        assert fast is None  # what the general reading refuses is never taken as common
+        return
+    if fast is not None:
+        assert _response_fields(fast) == _response_fields(general)
+
+
+def test_an_answer_as_openai_sends_it_takes_the_short_path() -> None:
+    from chatroute.providers.mapping import _plain_response
+
+    answer = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "gpt",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "hi",
+                    "refusal": None,
+                    "annotations": [],
+                },
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": 1,
+            "total_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        },
+        "service_tier": "default",
+        "system_fingerprint": "fp_1",
+    }
+    response = _plain_response(answer, "p")
+    assert response is not None and response.text == "hi"
+    assert response.usage is not None and response.usage.cached_input_token_count == 0

@@ -586,11 +586,89 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+# The message fields of the common answer read by `_plain_response`: the text, and fields
+# the general reading ignores or that are empty (a refusal, audio and calls that are null).
+_PLAIN_MESSAGE = frozenset(
+    {"role", "content", "refusal", "annotations", "audio", "function_call", "tool_calls"}
+)
+_PLAIN_NULLS = ("refusal", "audio", "function_call", "tool_calls")
+
+
+def _plain_response(data: dict[str, Any], provider: str | None) -> ChatResponse | None:
+    """The ChatResponse for the common decoded answer (a first choice whose message is an
+    assistant's text, with no name, reasoning, refusal or calls, and no logprobs), exactly
+    as the general reading gives it; None for any other answer."""
+    choices = data.get("choices")
+    if type(choices) is not list or not choices:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("logprobs") is not None:
+        return None
+    message = choice.get("message")
+    if type(message) is not dict or not _PLAIN_MESSAGE.issuperset(message):
+        return None
+    for name in _PLAIN_NULLS:
+        if message.get(name) is not None:
+            return None
+    role = message.get("role")
+    text = message.get("content")
+    reason = choice.get("finish_reason")
+    model = data.get("model")
+    response_id = data.get("id")
+    created = data.get("created")
+    if (
+        (role is not None and role != "assistant" and role != "")
+        or (text is not None and type(text) is not str)
+        or (reason is not None and type(reason) is not str)
+        or (model is not None and type(model) is not str)
+        or (response_id is not None and type(response_id) is not str)
+        or (created is not None and type(created) is not int and type(created) is not float)
+    ):
+        return None
+    raw_usage = data.get("usage")
+    usage = None
+    if raw_usage is not None:
+        if type(raw_usage) is not dict:
+            return None
+        if len(raw_usage) == 3 and _USAGE_TOTALS.issuperset(raw_usage):
+            prompt = raw_usage["prompt_tokens"]
+            completion = raw_usage["completion_tokens"]
+            total = raw_usage["total_tokens"]
+            if type(prompt) is not int or type(completion) is not int or type(total) is not int:
+                return None
+            usage = UsageDetails(prompt, completion, total, {})
+        else:
+            usage = usage_from_openai(raw_usage)
+    props: dict[str, Any] = {"provider": provider} if provider is not None else {}
+    fingerprint = data.get("system_fingerprint")
+    if fingerprint:
+        props["system_fingerprint"] = fingerprint
+    return ChatResponse(
+        messages=[ChatMessage(ChatRole.ASSISTANT, contents=[TextContent(text)] if text else None)],
+        model_id=model or None,
+        finish_reason=None if reason is None else _FINISH.get(reason, reason),
+        usage=usage,
+        response_id=response_id or None,
+        created_at=float(created) if created is not None else None,
+        raw_representation=data,
+        additional_properties=props or None,
+    )
+
+
 def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
     """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
 
     Only the first choice is read. Raises ValueError when it is not a chat completion.
     """
+    if type(completion) is dict:
+        response = _plain_response(completion, provider)
+        if response is not None:
+            return response
+    return _read_response(completion, provider)
+
+
+def _read_response(completion: Any, provider: str | None) -> ChatResponse:
+    """`response_from_openai` for any answer (the general reading)."""
     data = _plain(completion)
     choice = _first_choice(data)
     if choice is None:
