@@ -7,7 +7,15 @@ from typing import Any, Final
 
 import orjson
 
-__all__ = ["NESTING_SAFE", "UNKNOWN", "dumps_plain", "loads", "loads_counted", "loads_exact"]
+__all__ = [
+    "NESTING_SAFE",
+    "UNKNOWN",
+    "dumps_checked",
+    "dumps_plain",
+    "loads",
+    "loads_counted",
+    "loads_exact",
+]
 
 # Where orjson and the stdlib can disagree, and what is done about it:
 # - Integers beyond 64 bits become floats in orjson: a run of 19 digits anywhere (in a
@@ -95,6 +103,16 @@ def dumps_plain(obj: Any) -> bytes | None:
     except orjson.JSONEncodeError:  # non-str keys, big ints, surrogates, cycles, unknown types
         return None
     return out if _plain(obj) else None
+
+
+def dumps_checked(obj: Any) -> bytes | None:
+    """`dumps_plain(obj)` for a value its caller has already checked holds only the plain
+    types that function allows (no float, or only finite ones), without walking it again:
+    orjson's encoding, or None when orjson refuses it (an integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        return None
 
 
 def _plain(obj: Any) -> bool:

@@ -602,3 +602,98 @@ def test_the_helper_imports_without_the_server_stack() -> None:
         source = file.read()
     imported = set(re.findall(r"^(?:from|import) (\w+)", source, re.MULTILINE))
     assert imported <= {"__future__", "json", "typing", "orjson"}
+
+
+# Answers and chunks whose values the encoders check themselves skip `_dumps`'s walk; what
+# they write must be what the walk would have let through or sent to the stdlib.
+def _responses() -> list[Any]:
+    from chatroute import (
+        ChatMessage,
+        ChatResponse,
+        ChatRole,
+        FunctionCallContent,
+        TextContent,
+        TextReasoningContent,
+        UsageDetails,
+    )
+
+    def answer(**fields: Any) -> Any:
+        message = fields.pop("message", ChatMessage(ChatRole.ASSISTANT, "h\u00e9 \n \x01"))
+        base: dict[str, Any] = {"model_id": "m", "response_id": "r", "created_at": 1.5}
+        return ChatResponse(messages=[message], **{**base, **fields})
+
+    usage = UsageDetails(1, 2, 3, cached_input_token_count=1, reasoning_token_count=0)
+    return [
+        answer(),
+        answer(usage=usage, finish_reason="stop"),
+        answer(usage=UsageDetails(math.nan, 2, 3)),
+        answer(usage=UsageDetails(2**70, 2, 3)),
+        answer(usage=UsageDetails(1.0, 2, 3)),
+        answer(usage=UsageDetails(1, 2, 3, reasoning_token_count=math.inf)),
+        answer(response_id=5),
+        answer(response_id=_Text("x")),
+        answer(model_id=_Colour.RED),
+        answer(created_at=2**70),
+        answer(additional_properties={"system_fingerprint": "fp"}),
+        answer(additional_properties={"system_fingerprint": _Colour.RED}),
+        answer(additional_properties={"logprobs": {"content": [{"logprob": -0.5}]}}),
+        answer(additional_properties={"logprobs": {"content": [{"logprob": math.nan}]}}),
+        answer(
+            message=ChatMessage(
+                ChatRole.ASSISTANT,
+                contents=[TextReasoningContent("think"), FunctionCallContent("c", "f", "{}")],
+            )
+        ),
+        answer(message=ChatMessage(ChatRole.ASSISTANT, contents=[TextContent("a")])),
+    ]
+
+
+@pytest.mark.parametrize("response", _responses(), ids=range(len(_responses())))
+def test_completion_bodies_are_what_the_walked_encoding_writes(
+    response: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked = outcome(lambda: wire.completion_body(response, model="x", created=7))
+    monkeypatch.setattr(wire, "dumps_checked", lambda obj: None)
+    assert checked == outcome(lambda: wire.completion_body(response, model="x", created=7))
+
+
+def _updates() -> list[Any]:
+    from chatroute import ChatResponseUpdate, ChatRole, FunctionCallContent, TextContent
+
+    def update(**fields: Any) -> Any:
+        base: dict[str, Any] = {"role": ChatRole.ASSISTANT, "contents": [TextContent("h\u00e9")]}
+        return ChatResponseUpdate(**{**base, **fields})
+
+    return [
+        update(),
+        update(model_id="m", response_id="r", finish_reason="stop"),
+        update(model_id=_Colour.RED),
+        update(response_id=3),
+        update(additional_properties={"refusal": "no"}),
+        update(additional_properties={"logprobs": {"content": [{"logprob": math.inf}]}}),
+        update(contents=[FunctionCallContent("c", _Colour.RED, "{}", 0)]),
+        update(finish_reason=_Colour.RED),
+    ]
+
+
+@pytest.mark.parametrize("update", _updates(), ids=range(len(_updates())))
+def test_stream_chunks_are_what_the_walked_encoding_writes(
+    update: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def encode() -> bytes:
+        encoder = wire.StreamEncoder(model="x", include_usage=False)
+        encoder.created = 7
+        encoder.response_id = "fixed" if update.response_id is None else None
+        return encoder.encode(update)
+
+    checked = outcome(encode)
+    monkeypatch.setattr(wire, "dumps_checked", lambda obj: None)
+    assert checked == outcome(encode)
+
+
+def test_the_usual_answer_and_chunk_skip_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[Any] = []
+    monkeypatch.setattr(wire, "_dumps", lambda obj: walked.append(obj) or b"")
+    wire.completion_body(_responses()[1], model="x")
+    wire.StreamEncoder(model="x", include_usage=False).encode(_updates()[1])
+    assert walked == []

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chatroute._json import dumps_plain
+from chatroute._json import dumps_checked, dumps_plain
 from chatroute.chat.types import (
     ChatMessage,
     ChatOptions,
@@ -630,11 +630,38 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
         "model": response.model_id or model,
         "choices": [choice],
     }
-    if props and props.get("system_fingerprint"):
-        body["system_fingerprint"] = props["system_fingerprint"]
+    fingerprint = props.get("system_fingerprint") if props else None
+    if fingerprint:
+        body["system_fingerprint"] = fingerprint
+    usage = None
     if response.usage is not None:
-        body["usage"] = usage_body(response.usage)
+        usage = body["usage"] = usage_body(response.usage)
+    # The usual answer's values are all checked plain here, which spares `_dumps` its walk
+    # over the whole body.
+    if (
+        type(body["id"]) is str
+        and type(body["model"]) is str
+        and type(body["created"]) is int
+        and not calls
+        and "logprobs" not in choice
+        and (not fingerprint or type(fingerprint) is str)
+        and (usage is None or _plain_usage(usage))
+    ):
+        out = dumps_checked(body)
+        if out is not None:
+            return out
     return _dumps(body)
+
+
+def _plain_usage(usage: dict[str, Any]) -> bool:
+    """Whether a usage body holds only ints (in its details objects too)."""
+    for value in usage.values():
+        if type(value) is dict:
+            if not all(type(count) is int for count in value.values()):
+                return False
+        elif type(value) is not int:
+            return False
+    return True
 
 
 def _new_id() -> str:
@@ -740,9 +767,19 @@ class StreamEncoder:
         elif not delta and finish is None:
             return b""
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        chunk = self._chunk([choice], update.model_id)
         if logprobs is not None:
             choice["logprobs"] = logprobs
-        return _sse(self._chunk([choice], update.model_id))
+        elif (
+            not calls
+            and type(chunk["id"]) is str
+            and type(chunk["model"]) is str
+            and (finish is None or type(finish) is str)
+        ):  # the usual chunk: its values are checked plain here, which spares `_dumps` its walk
+            out = dumps_checked(chunk)
+            if out is not None:
+                return b"data: " + out + b"\n\n"
+        return _sse(chunk)
 
     def finish(self) -> bytes:
         """The closing events: the usage chunk when asked for, then `[DONE]`."""
