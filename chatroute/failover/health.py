@@ -96,6 +96,9 @@ def _policy_of(failure: BaseException) -> FailurePolicy:
     return kind.policy
 
 
+_PROBE = PermitKind.PROBE
+
+
 def _is_cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
@@ -477,17 +480,14 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
         forced: bool,
         waited: float,
     ) -> ChatClient:
+        name = candidate.name
         state.attempts += 1
-        state.tries[candidate.name] = state.tries.get(candidate.name, 0) + 1
-        state.not_before.pop(candidate.name, None)
+        state.tries[name] = state.tries.get(name, 0) + 1
+        state.not_before.pop(name, None)
         state.permit = permit
+        # Positional: a frozen dataclass takes its keyword arguments at twice the cost.
         state.selection = selection = Selection(
-            provider=candidate.name,
-            client=candidate.client,
-            attempt_number=state.attempts,
-            probe=permit.kind is PermitKind.PROBE,
-            forced_probe=forced,
-            waited=waited,
+            name, candidate.client, state.attempts, permit.kind is _PROBE, forced, waited
         )
         self.selected(selection)
         return candidate.client
