@@ -125,11 +125,10 @@ def _media_block(content: DataContent | UriContent | HostedFileContent) -> dict[
             "the Anthropic Messages API cannot read it"
         )
     media_type = content.media_type
+    source = {"type": "base64", "media_type": media_type, "data": content.base64_data}
     if media_type in _IMAGE_TYPES:
-        source = {"type": "base64", "media_type": media_type, "data": content.base64_data}
         return {"type": "image", "source": source}
     if media_type == "application/pdf":
-        source = {"type": "base64", "media_type": media_type, "data": content.base64_data}
         block: dict[str, Any] = {"type": "document", "source": source}
     elif media_type == "text/plain":
         try:

@@ -25,6 +25,7 @@ from chatroute.chat.types import (
 )
 
 __all__ = [
+    "AUDIO_MEDIA_TYPES",
     "OPENAI_EXTRA_FIELDS",
     "build_request",
     "finish_reason_from_openai",
@@ -110,8 +111,14 @@ def _result_text(result: Any) -> str:
 # ---------------------------------------------------------------------------- requests
 
 _MEDIA = (DataContent, UriContent, HostedFileContent)  # a tuple: no union object per call
-# The audio media types OpenAI takes as `input_audio`, by the format it names them.
-_AUDIO_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3", "audio/mp3": "mp3"}
+# OpenAI's `input_audio` formats and the media types they travel under; and back, the
+# audio media types sent as `input_audio`, with their format.
+AUDIO_MEDIA_TYPES: dict[str, str] = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+_AUDIO_FORMATS = {
+    **{media_type: fmt for fmt, media_type in AUDIO_MEDIA_TYPES.items()},
+    "audio/x-wav": "wav",
+    "audio/mp3": "mp3",
+}
 
 
 def media_part_to_openai(content: DataContent | UriContent | HostedFileContent) -> dict[str, Any]:
@@ -182,7 +189,7 @@ def media_part_from_openai(part: Mapping[str, Any]) -> Content | None:
         data, fmt = audio.get("data"), audio.get("format")
         if not isinstance(data, str) or not isinstance(fmt, str):
             raise ValueError("an input_audio part needs string 'data' and 'format'")
-        media_type = "audio/mpeg" if fmt == "mp3" else f"audio/{fmt}"
+        media_type = AUDIO_MEDIA_TYPES.get(fmt, f"audio/{fmt}")
         return DataContent(f"data:{media_type};base64,{data}")
     if kind == "file":
         file = _fields(part.get("file"))
@@ -586,6 +593,22 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _plain_envelope(data: dict[str, Any]) -> tuple[str | None, str | None, float | None] | None:
+    """The model, id and creation time of a decoded answer or chunk, as the general reading
+    gives them (`_str_or_none`, `_created`), when each is absent or of its plain type; None
+    when one is not (the general reading then decides)."""
+    model = data.get("model")
+    response_id = data.get("id")
+    created = data.get("created")
+    if (
+        (model is not None and type(model) is not str)
+        or (response_id is not None and type(response_id) is not str)
+        or (created is not None and type(created) is not int and type(created) is not float)
+    ):
+        return None
+    return model or None, response_id or None, None if created is None else float(created)
+
+
 # The message fields of the common answer read by `_plain_response`: the text, and fields
 # the general reading ignores or that are empty (a refusal, audio and calls that are null).
 _PLAIN_MESSAGE = frozenset(
@@ -613,18 +636,15 @@ def _plain_response(data: dict[str, Any], provider: str | None) -> ChatResponse 
     role = message.get("role")
     text = message.get("content")
     reason = choice.get("finish_reason")
-    model = data.get("model")
-    response_id = data.get("id")
-    created = data.get("created")
+    envelope = _plain_envelope(data)
     if (
-        (role is not None and role != "assistant" and role != "")
+        envelope is None
+        or (role is not None and role != "assistant" and role != "")
         or (text is not None and type(text) is not str)
         or (reason is not None and type(reason) is not str)
-        or (model is not None and type(model) is not str)
-        or (response_id is not None and type(response_id) is not str)
-        or (created is not None and type(created) is not int and type(created) is not float)
     ):
         return None
+    model, response_id, created = envelope
     raw_usage = data.get("usage")
     usage = None
     if raw_usage is not None:
@@ -645,11 +665,11 @@ def _plain_response(data: dict[str, Any], provider: str | None) -> ChatResponse 
         props["system_fingerprint"] = fingerprint
     return ChatResponse(
         messages=[ChatMessage(_ASSISTANT, contents=[TextContent(text)] if text else None)],
-        model_id=model or None,
+        model_id=model,
         finish_reason=None if reason is None else _FINISH.get(reason, reason),
         usage=usage,
-        response_id=response_id or None,
-        created_at=float(created) if created is not None else None,
+        response_id=response_id,
+        created_at=created,
         raw_representation=data,
         additional_properties=props or None,
     )
@@ -736,21 +756,16 @@ def _plain_update(chunk: dict[str, Any], provider: str | None) -> ChatResponseUp
         contents = [TextContent(text)] if text else []
     else:
         return None
-    model = chunk.get("model")
-    response_id = chunk.get("id")
-    created = chunk.get("created")
-    if (
-        (model is not None and type(model) is not str)
-        or (response_id is not None and type(response_id) is not str)
-        or (created is not None and type(created) is not int and type(created) is not float)
-    ):
+    envelope = _plain_envelope(chunk)
+    if envelope is None:
         return None
+    model, response_id, created = envelope
     return ChatResponseUpdate(
         role=role,
         contents=contents,
-        model_id=model or None,
-        response_id=response_id or None,
-        created_at=float(created) if created is not None else None,
+        model_id=model,
+        response_id=response_id,
+        created_at=created,
         raw_representation=chunk,
         additional_properties={"provider": provider} if provider is not None else None,
     )
@@ -794,13 +809,13 @@ def _read_update(chunk: Any, provider: str | None) -> ChatResponseUpdate:
         contents = _contents_of(delta, streaming=True)
         finish = finish_reason_from_openai(choice.get("finish_reason"))
         refusal = delta.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            props = props or {}
+            props["refusal"] = refusal
         logprobs = choice.get("logprobs")
-        if (isinstance(refusal, str) and refusal) or logprobs is not None:
-            props = dict(props or {})
-            if isinstance(refusal, str) and refusal:
-                props["refusal"] = refusal
-            if logprobs is not None:
-                props["logprobs"] = logprobs if isinstance(logprobs, Mapping) else _plain(logprobs)
+        if logprobs is not None:
+            props = props or {}
+            props["logprobs"] = logprobs if isinstance(logprobs, Mapping) else _plain(logprobs)
     return ChatResponseUpdate(
         role=role,
         contents=contents,

@@ -29,7 +29,7 @@ from chatroute.chat.types import (
     UriContent,
     UsageDetails,
 )
-from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS
+from chatroute.providers.mapping import AUDIO_MEDIA_TYPES, OPENAI_EXTRA_FIELDS
 from chatroute.server.errors import APIError
 
 __all__ = [
@@ -239,10 +239,6 @@ class ClassifyRequest(_Strict):
 # ----------------------------------------------------------------------------- requests
 
 
-# OpenAI's audio formats and the media types they travel under.
-_AUDIO_MEDIA_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg"}
-
-
 def _invalid_part(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_content")
 
@@ -270,7 +266,7 @@ def _media_part(part: ContentPart, param: str) -> Content:
         audio = part.input_audio
         if audio is None:
             raise _invalid_part(f"{param}.input_audio", "an input_audio part needs 'input_audio'")
-        media_type = _AUDIO_MEDIA_TYPES.get(audio.format)
+        media_type = AUDIO_MEDIA_TYPES.get(audio.format)
         if media_type is None:
             raise _invalid_part(
                 f"{param}.input_audio.format",
@@ -771,10 +767,7 @@ class StreamEncoder:
         if logprobs is not None:
             choice["logprobs"] = logprobs
         elif (
-            not calls
-            and type(chunk["id"]) is str
-            and type(chunk["model"]) is str
-            and (finish is None or type(finish) is str)
+            not calls and type(chunk["id"]) is str and type(chunk["model"]) is str
         ):  # the usual chunk: its values are checked plain here, which spares `_dumps` its walk
             out = dumps_checked(chunk)
             if out is not None:
