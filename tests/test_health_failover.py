@@ -24,7 +24,7 @@ from chatroute.failover import FailoverChatClientAttempt
 from chatroute.failover.breaker import BreakerSettings, BreakerState, CircuitBreakerRegistry
 from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
 from chatroute.failover.timeouts import DeadlineExceededError, TimeoutChatClient
-from chatroute.providers.errors import (
+from chatroute.errors import (
     ContextLengthExceededError,
     ProviderAuthError,
     ProviderBadRequestError,

@@ -27,7 +27,7 @@ from chatroute.providers import (
     ProviderTimeoutError,
     RateLimitedError,
     StreamInterruptedError,
-    classify,
+    classify_failure,
 )
 from chatroute.providers._h1 import H1Pool
 from chatroute.providers._http import http
@@ -404,7 +404,7 @@ async def test_a_refused_connection_is_a_connect_failure_not_a_timeout() -> None
         with pytest.raises(ProviderConnectionError) as caught:
             await client.get_response(HI)
         assert caught.value.kind is FailureKind.CONNECT
-        assert classify(caught.value.__cause__) is FailureKind.CONNECT  # type: ignore[arg-type]
+        assert classify_failure(caught.value.__cause__) is FailureKind.CONNECT  # type: ignore[arg-type]
     finally:
         await client.aclose()
 

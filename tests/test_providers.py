@@ -19,7 +19,12 @@ from chatroute.chat import (
     TextContent,
     TextReasoningContent,
 )
-from chatroute.providers import FirstTokenTimeoutError, OpenAIChatClient, ProviderAuthError
+from chatroute.providers import (
+    FirstTokenTimeoutError,
+    OpenAIChatClient,
+    ProviderAuthError,
+    ProviderBadRequestError,
+)
 from chatroute.providers.mapping import (
     build_request,
     finish_reason_from_openai,
@@ -549,11 +554,12 @@ async def test_bad_arguments_to_calls(client: OpenAIChatClient) -> None:
         await client.get_response(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="options"):
         await client.get_response(HI, {"temperature": 1})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="empty"):
+    # What the request cannot say is the caller's error, typed (a 400 from the service).
+    with pytest.raises(ProviderBadRequestError, match="empty"):
         await collect(client, [])
     nameless = OpenAIChatClient(base_url="http://127.0.0.1:9/v1")
     try:
-        with pytest.raises(ValueError, match="no model"):
+        with pytest.raises(ProviderBadRequestError, match="no model"):
             await nameless.get_response(HI)
         assert nameless.name == "http://127.0.0.1:9/v1"
     finally:
