@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import pydantic
 import pytest
+from chatroute.providers._sdk_http import _json_default
 
 from chatroute import _json
 from chatroute._json import (
@@ -29,7 +30,6 @@ from chatroute._json import (
     loads_counted,
     loads_exact,
 )
-from chatroute.providers._sdk_http import _json_default
 from chatroute.providers.openai_compat import OpenAIChatClient
 from chatroute.server import wire
 from chatroute.server.errors import APIError

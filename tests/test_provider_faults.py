@@ -14,6 +14,8 @@ import openai
 import pytest
 
 from chatroute.chat import ChatMessage, ChatRole
+from chatroute.errors import error_fields, redact
+from chatroute.errors import status_error as make_status_error
 from chatroute.providers import (
     FAILURE_POLICIES,
     ContextLengthExceededError,
@@ -35,8 +37,6 @@ from chatroute.providers import (
     classify_failure,
     parse_retry_after,
 )
-from chatroute.errors import error_fields, redact
-from chatroute.errors import status_error as make_status_error
 from tests.fakes import (
     ContentPolicy,
     ContextLengthExceeded,

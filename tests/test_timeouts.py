@@ -19,8 +19,6 @@ from chatroute.chat import (
     ChatRole,
     TextContent,
 )
-from chatroute.failover import FailoverChatClientAttempt, OrderedFailoverChatClient
-from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.errors import (
     FailureKind,
     FirstTokenTimeoutError,
@@ -28,6 +26,8 @@ from chatroute.errors import (
     StreamStallTimeoutError,
     classify_failure,
 )
+from chatroute.failover import FailoverChatClientAttempt, OrderedFailoverChatClient
+from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.router import RoutingContext
 
 LIMIT = 0.02  # seconds; the only real waiting these tests do is a few of these

@@ -456,7 +456,7 @@ class AnthropicChatClient(HTTPChatClient):
         super().__init__(model, **settings)
 
     @classmethod
-    def from_config(cls, name: str, settings: ProviderConfig, **common: Any) -> AnthropicChatClient:
+    def from_config(cls, settings: ProviderConfig, **common: Any) -> AnthropicChatClient:
         """The client a config's provider entry describes (`common`: the settings every
         HTTP provider takes, built by the registry)."""
         return cls(default_max_tokens=settings.default_max_tokens, **common)

@@ -333,7 +333,7 @@ class HTTPChatClient(ChatClient):
     # ------------------------------------------------------------------ for subclasses
 
     @classmethod
-    def from_config(cls, name: str, settings: ProviderConfig, **common: Any) -> HTTPChatClient:
+    def from_config(cls, settings: ProviderConfig, **common: Any) -> HTTPChatClient:
         """The client a config's provider entry describes: `common` holds the settings every
         HTTP provider takes (see `registry.build_from_config`); a vendor reads its own
         fields of `settings` by overriding this."""
@@ -435,14 +435,11 @@ class HTTPChatClient(ChatClient):
                     f"the stream timed out while reading ({text})", **common
                 )
             return ProviderTimeoutError(f"the request timed out ({text})", **common)
-        if isinstance(exc, aiohttp.ClientResponseError):  # an unreadable response head
-            return MalformedResponseError(
-                f"the upstream's answer is not valid HTTP ({text})", **common
-            )
-        if isinstance(exc, ValueError):  # an event too large, an encoding that fails
-            return MalformedResponseError(
-                f"the upstream's answer cannot be read ({text})", **common
-            )
+        broken = isinstance(exc, aiohttp.ClientConnectionError | OSError)
+        if not broken and isinstance(exc, aiohttp.ClientResponseError):  # an unreadable head
+            return MalformedResponseError(f"the answer is not valid HTTP ({text})", **common)
+        if not broken and isinstance(exc, ValueError):  # an event too large, say
+            return MalformedResponseError(f"the answer cannot be read ({text})", **common)
         if in_stream:
             return StreamInterruptedError(
                 f"the connection broke while reading the stream ({text})", **common

@@ -116,7 +116,7 @@ class OpenAIChatClient(HTTPChatClient):
         super().__init__(model, base_url=base_url or "https://api.openai.com/v1", **settings)
 
     @classmethod
-    def from_config(cls, name: str, settings: ProviderConfig, **common: Any) -> OpenAIChatClient:
+    def from_config(cls, settings: ProviderConfig, **common: Any) -> OpenAIChatClient:
         """The client a config's provider entry describes (`common`: the settings every
         HTTP provider takes, built by the registry)."""
         return cls(

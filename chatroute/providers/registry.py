@@ -27,7 +27,7 @@ class ProviderFactory(Protocol):
     default_base_url: ClassVar[str | None]
 
     @classmethod
-    def from_config(cls, name: str, settings: ProviderConfig, **common: Any) -> ChatClient: ...
+    def from_config(cls, settings: ProviderConfig, **common: Any) -> ChatClient: ...
 
 
 # type -> the class, or "module:Class" until it is first asked for.
@@ -97,4 +97,4 @@ def build_from_config(
         "context_window": settings.context_window,
         "default_query": dict(settings.query) or None,
     }
-    return provider_class(settings.type).from_config(name, settings, **common)
+    return provider_class(settings.type).from_config(settings, **common)
