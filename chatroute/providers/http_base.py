@@ -461,6 +461,13 @@ class HTTPChatClient(ChatClient):
             raise self._transport_error(exc, in_stream=False) from exc
         if not 200 <= response.status < 300:
             raise await self._status_error(response)
+        encoding = response.headers.get("Content-Encoding", "")
+        if "," in encoding:  # aiohttp decodes one coding; a stack would come back encoded
+            response.release()
+            raise MalformedResponseError(
+                f"the answer is encoded {encoding!r}; only one content coding is read",
+                provider=self.name,
+            )
         return response
 
     async def _status_error(self, response: aiohttp.ClientResponse) -> ProviderStatusError:
