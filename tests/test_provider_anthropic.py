@@ -456,6 +456,7 @@ async def test_closed_client_refuses_calls(up: FakeAnthropic) -> None:
 
 # ---------------------------------------------------------------------------- transport
 
+
 async def test_requests_carry_the_key_and_the_api_version(up: FakeAnthropic) -> None:
     """What the Messages API needs on every request: the key as `x-api-key`, the API
     version, a JSON body; without a key no credentials at all."""

@@ -617,3 +617,12 @@ def test_text_only_messages_map_as_the_general_path_maps_them(
     general = messages_to_openai([message(_Text)])
     assert fast == general
     assert list(fast[0]) == list(general[0])  # the same keys in the same order
+
+
+def test_header_values_that_could_split_the_request_head_are_refused() -> None:
+    with pytest.raises(ValueError, match="'x-team'.*CR, LF or NUL"):
+        OpenAIChatClient(
+            "m", base_url="http://127.0.0.1:9/v1", default_headers={"x-team": "a\r\nb"}
+        )
+    with pytest.raises(ValueError, match="'Authorization'"):
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key="sk-1\nx-evil: 1")
