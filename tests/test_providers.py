@@ -620,7 +620,7 @@ def test_text_only_messages_map_as_the_general_path_maps_them(
 
 
 def test_header_values_that_could_split_the_request_head_are_refused() -> None:
-    with pytest.raises(ValueError, match="'x-team'.*CR, LF or NUL"):
+    with pytest.raises(ValueError, match=r"'x-team'.*CR, LF or NUL"):
         OpenAIChatClient(
             "m", base_url="http://127.0.0.1:9/v1", default_headers={"x-team": "a\r\nb"}
         )
