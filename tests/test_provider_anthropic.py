@@ -457,19 +457,20 @@ async def test_closed_client_refuses_calls(up: FakeAnthropic) -> None:
 # ---------------------------------------------------------------------------- transport
 
 
-async def test_requests_carry_the_key_and_the_api_version(up: FakeAnthropic) -> None:
-    """What the Messages API needs on every request: the key as `x-api-key`, the API
-    version, a JSON body; without a key no credentials at all."""
+async def test_requests_carry_the_key_and_the_api_version_as_the_sdk_sends_them(up: FakeAnthropic) -> None:
+    """What the Messages API needs on every request: the key as the anthropic SDK sends it
+    (a Bearer token), the API version, a JSON body; without a key no credentials at all."""
     up.script(Ok("one"), Ok("two"))
     async with _client(up, api_key=SECRET) as client:
         await client.get_response(USER)
     async with _client(up) as keyless:
         await keyless.get_response(USER)
     keyed, bare = (r.headers for r in up.requests)
-    assert keyed["x-api-key"] == SECRET and keyed["anthropic-version"] == "2023-06-01"
+    assert keyed["authorization"] == f"Bearer {SECRET}"
+    assert keyed["anthropic-version"] == "2026-10-21"
     assert keyed["content-type"] == "application/json"
     assert "x-api-key" not in bare and "authorization" not in bare
-    assert bare["anthropic-version"] == "2023-06-01"
+    assert bare["anthropic-version"] == "2026-10-21"
 
 
 @contextlib.asynccontextmanager

@@ -410,7 +410,8 @@ def in_band_error(
 
 # ---------------------------------------------------------------------------- the client
 
-ANTHROPIC_VERSION = "2023-06-01"
+# The API version the anthropic SDK (2.x) sends, and its key header: a Bearer token.
+ANTHROPIC_VERSION = "2026-10-21"
 
 
 class AnthropicChatClient(HTTPChatClient):
@@ -432,9 +433,9 @@ class AnthropicChatClient(HTTPChatClient):
     without it is left out of requests. Streamed reasoning carries no signature.
 
     A stream is complete at `message_delta`'s `stop_reason`; `ping` and unknown events are
-    skipped; an `error` event is an `UpstreamStreamError`. `api_key` goes as `x-api-key`
-    with `anthropic-version: 2023-06-01`; without one no credentials are sent (nothing is
-    read from the environment by this class).
+    skipped; an `error` event is an `UpstreamStreamError`. `api_key` goes as the anthropic
+    SDK sends it (`Authorization: Bearer`, with `anthropic-version: 2026-10-21`); without
+    one no credentials are sent (nothing is read from the environment by this class).
     """
 
     path = "v1/messages"
@@ -462,10 +463,7 @@ class AnthropicChatClient(HTTPChatClient):
         return cls(default_max_tokens=settings.default_max_tokens, **common)
 
     def _auth_headers(self, api_key: str | None) -> dict[str, str]:
-        headers = {"anthropic-version": ANTHROPIC_VERSION}
-        if api_key:
-            headers["x-api-key"] = api_key
-        return headers
+        return {"anthropic-version": ANTHROPIC_VERSION, **super()._auth_headers(api_key)}
 
     def _status_label(self, etype: str | None, code: str | None) -> str | None:
         return etype or code
