@@ -457,7 +457,7 @@ async def test_closed_client_refuses_calls(up: FakeAnthropic) -> None:
 # ---------------------------------------------------------------------------- transport
 
 
-async def test_requests_carry_the_key_and_the_api_version_as_the_sdk_sends_them(up: FakeAnthropic) -> None:
+async def test_requests_carry_the_key_and_the_api_version_the_sdk_sends(up: FakeAnthropic) -> None:
     """What the Messages API needs on every request: the key as the anthropic SDK sends it
     (a Bearer token), the API version, a JSON body; without a key no credentials at all."""
     up.script(Ok("one"), Ok("two"))
