@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from typing_extensions import Unpack
 
 from chatroute.chat.types import (
     ChatFinishReason,
@@ -27,7 +28,7 @@ from chatroute.chat.types import (
     UsageDetails,
 )
 from chatroute.errors import UpstreamStreamError, error_fields, redact
-from chatroute.providers.http_base import HTTPChatClient, StreamTranslator
+from chatroute.providers.http_base import HTTPChatClient, HTTPSettings, StreamTranslator
 from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, _result_text, tool_to_openai
 
 if TYPE_CHECKING:
@@ -449,7 +450,7 @@ class AnthropicChatClient(HTTPChatClient):
         model: str | None = None,
         *,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        **settings: Any,
+        **settings: Unpack[HTTPSettings],
     ) -> None:
         if default_max_tokens < 1:
             raise ValueError("default_max_tokens must be a positive token count")

@@ -10,7 +10,7 @@ import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 
 import aiohttp
 import orjson
@@ -48,7 +48,7 @@ from chatroute.providers.sse import SSEReader
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
 
-__all__ = ["HTTPChatClient", "StreamTranslator", "check_header_value"]
+__all__ = ["HTTPChatClient", "HTTPSettings", "StreamTranslator", "check_header_value"]
 
 _log = logging.getLogger(__name__)
 
@@ -57,6 +57,31 @@ _log = logging.getLogger(__name__)
 MAX_HEAD_LINE = 16 * 1024
 MAX_FIELD_SIZE = 16 * 1024
 MAX_ERROR_BODY = 64 * 1024
+
+
+class HTTPSettings(TypedDict, total=False):
+    """The keyword arguments every HTTP provider takes (see `HTTPChatClient`), for a vendor
+    class's `**settings`."""
+
+    base_url: str | None
+    api_key: str | None
+    name: str | None
+    connect_timeout: float | None
+    read_timeout: float | None
+    write_timeout: float | None
+    pool_timeout: float | None
+    request_timeout: float | None
+    first_token_timeout: float | None
+    stall_timeout: float | None
+    tail_timeout: float
+    max_connections: int
+    max_keepalive_connections: int
+    keepalive_expiry: float
+    default_headers: Mapping[str, str] | None
+    extra_body: Mapping[str, Any] | None
+    context_window: int | None
+    verify: bool | str | ssl.SSLContext
+    default_query: Mapping[str, str] | None
 
 
 class _Keep:

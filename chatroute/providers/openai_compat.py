@@ -6,10 +6,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
+from typing_extensions import Unpack
 
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
 from chatroute.errors import UpstreamStreamError, redact
-from chatroute.providers.http_base import HTTPChatClient, StreamTranslator
+from chatroute.providers.http_base import HTTPChatClient, HTTPSettings, StreamTranslator
 from chatroute.providers.mapping import (
     MaxTokensParam,
     build_request,
@@ -93,12 +94,11 @@ class OpenAIChatClient(HTTPChatClient):
         self,
         model: str | None = None,
         *,
-        base_url: str | None = None,
         max_tokens_param: MaxTokensParam = "max_tokens",
         include_usage: bool = True,
         send_reasoning: bool = True,
         api_key_header: Literal["authorization", "api-key"] = "authorization",
-        **settings: Any,
+        **settings: Unpack[HTTPSettings],
     ) -> None:
         if api_key_header not in ("authorization", "api-key"):
             raise ValueError(
@@ -113,7 +113,8 @@ class OpenAIChatClient(HTTPChatClient):
         self.max_tokens_param: MaxTokensParam = max_tokens_param
         self.include_usage = include_usage
         self.send_reasoning = send_reasoning
-        super().__init__(model, base_url=base_url or "https://api.openai.com/v1", **settings)
+        settings["base_url"] = settings.get("base_url") or "https://api.openai.com/v1"
+        super().__init__(model, **settings)
 
     @classmethod
     def from_config(cls, settings: ProviderConfig, **common: Any) -> OpenAIChatClient:
