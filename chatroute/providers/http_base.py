@@ -17,6 +17,8 @@ import orjson
 import pydantic
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from chatroute import __version__
 from chatroute.chat.client import ChatClient
@@ -158,10 +160,18 @@ class _Transport:
                 keepalive_timeout=s["keepalive_expiry"] if idle else None,
                 ssl=s["tls"],
             )
+            # The environment's proxy for the endpoint (HTTP(S)_PROXY less NO_PROXY), read
+            # once here: aiohttp's trust_env would read it (and ~/.netrc) in a worker thread
+            # on every request.
+            try:
+                proxy, proxy_auth = get_env_proxy_for_url(URL(s["url"]))
+            except LookupError:
+                proxy, proxy_auth = None, None
             session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=s["timeout"],
-                trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as curl reads them
+                proxy=proxy,
+                proxy_auth=proxy_auth,
                 cookie_jar=aiohttp.DummyCookieJar(),  # never share an upstream's cookies
                 max_line_size=MAX_HEAD_LINE,
                 max_field_size=MAX_FIELD_SIZE,
@@ -232,7 +242,8 @@ class HTTPChatClient(ChatClient):
     `with_timeouts` views), pooled (`max_connections`, at most `max_keepalive_connections`
     idle ones, each kept `keepalive_expiry` seconds), with bounded response heads, no
     cookie jar (what an upstream sets for one call is never sent with another), the
-    environment's proxy (`HTTPS_PROXY` / `HTTP_PROXY`, less `NO_PROXY`) and TLS `verify`
+    environment's proxy (`HTTPS_PROXY` / `HTTP_PROXY`, less `NO_PROXY`, read when the
+    session is made on the first call) and TLS `verify`
     (True: the system CAs; False; a CA bundle path; an `ssl.SSLContext`). No redirects
     are followed and no retries made: retrying and failing over belong to the failover.
 
@@ -337,6 +348,7 @@ class HTTPChatClient(ChatClient):
         pool = _positive("pool_timeout", pool_timeout)
         _positive("write_timeout", write_timeout)
         self._transport = _Transport(
+            url=self._url,
             max_connections=max_connections,
             max_keepalive_connections=max_keepalive_connections,
             keepalive_expiry=keepalive_expiry,
