@@ -441,8 +441,9 @@ def status_error(
     **common: Any,
 ) -> ProviderStatusError:
     """The typed error of an HTTP error answer: `fields` are the error body's (type, code,
-    message), `fallback` the SDK's message when the body has none, `label` what the
-    message names the error by. Classified by `kind_for_status`; Retry-After honoured."""
+    message), `fallback` the text used when the body has none (the status reason), `label`
+    what the message names the error by. Classified by `kind_for_status`; Retry-After
+    honoured."""
     etype, code, message = fields
     kind = kind_for_status(status, code or etype, message or fallback)
     text = redact(message or fallback or "", secrets)
