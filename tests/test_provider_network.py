@@ -607,3 +607,44 @@ async def test_sse_reader_examples() -> None:
     assert await read_all([b"event: error\ndata: {}\n\n"]) == [("error", "{}")]
     assert await read_all([b": ping\n\n", b"data: x"]) == [(None, "x")]
     assert await read_all([]) == []
+
+
+# ------------------------------------------------------------------------------- list_models
+
+
+async def test_list_models_reads_every_page_and_types_its_failures() -> None:
+    from aiohttp import web
+
+    from chatroute.providers import AnthropicChatClient, ProviderAuthError
+
+    seen: list[tuple[str, str, str | None]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append((request.path, request.query_string, request.headers.get("Authorization")))
+        if request.headers.get("Authorization") == "Bearer sk-wrong-123":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        if request.path == "/v1/models" and "after_id" not in request.query:
+            return web.json_response({"data": [{"id": "a"}], "has_more": True, "last_id": "a"})
+        return web.json_response({"data": [{"id": "b"}], "has_more": False})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with AnthropicChatClient("c", base_url=url, api_key="sk-right-123") as claude:
+            assert await claude.list_models() == ["a", "b"]  # two pages
+        async with OpenAIChatClient("m", base_url=f"{url}/v1", api_key="sk-wrong-123") as bad:
+            with pytest.raises(ProviderAuthError) as caught:
+                await bad.list_models()
+            assert caught.value.error_message == "bad key"
+    finally:
+        await runner.cleanup()
+    assert [(path, query) for path, query, _ in seen] == [
+        ("/v1/models", ""),
+        ("/v1/models", "after_id=a"),
+        ("/v1/models", ""),
+    ]
