@@ -38,6 +38,16 @@ from chatroute.embedder import (
     EmbedderOverloadedError,
     SentenceTransformerEmbedder,
 )
+from chatroute.errors import (
+    ContextLengthExceededError,
+    FailureKind,
+    FirstTokenTimeoutError,
+    ProviderError,
+    ProviderTimeoutError,
+    StreamStallTimeoutError,
+    TruncatedStreamError,
+    classify_failure,
+)
 from chatroute.failover import (
     FailoverChatClient,
     FailoverChatClientAttempt,
@@ -77,39 +87,12 @@ from chatroute.router import (
 )
 
 if TYPE_CHECKING:
-    from chatroute.providers import (
-        ContextLengthExceededError,
-        FailureKind,
-        FirstTokenTimeoutError,
-        OpenAIChatClient,
-        ProviderError,
-        ProviderTimeoutError,
-        StreamStallTimeoutError,
-        TruncatedStreamError,
-        classify,
-    )
-    from chatroute.providers.anthropic_messages import AnthropicChatClient
+    from chatroute.providers import AnthropicChatClient, OpenAIChatClient
 
 __version__ = "0.1.0"
 
-# Provider names resolve lazily so that the engine never imports the openai SDK (nor the
-# anthropic SDK, an optional extra, unless AnthropicChatClient is asked for).
-_LAZY = {
-    "AnthropicChatClient": "chatroute.providers.anthropic_messages",
-} | {
-    name: "chatroute.providers"
-    for name in (
-        "ContextLengthExceededError",
-        "FailureKind",
-        "FirstTokenTimeoutError",
-        "OpenAIChatClient",
-        "ProviderError",
-        "ProviderTimeoutError",
-        "StreamStallTimeoutError",
-        "TruncatedStreamError",
-        "classify",
-    )
-}
+# The provider clients resolve lazily so that the engine never imports their HTTP stack.
+_LAZY = {name: "chatroute.providers" for name in ("AnthropicChatClient", "OpenAIChatClient")}
 
 
 def __getattr__(name: str) -> Any:
@@ -185,7 +168,7 @@ __all__ = [
     "__version__",
     "apply_thresholds",
     "calibrate",
-    "classify",
+    "classify_failure",
     "evaluate_decisions",
     "fit_route_thresholds",
 ]

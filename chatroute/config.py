@@ -260,19 +260,25 @@ class ResilienceConfig(_Strict):
         )
 
 
+# Characters that would end a header line (or the request head) where they appear.
+_SPLITS_HEAD = re.compile(r"[\r\n\0]")
+
+
 class ProviderConfig(_Strict):
     """One upstream model endpoint; secrets come only from the environment.
 
-    `type`: `openai` (any OpenAI-compatible chat-completions API; `base_url` required) or
-    `anthropic` (Anthropic's Messages API through the `anthropic` extra; `base_url`
-    defaults to Anthropic's). `default_max_tokens` is the output limit sent to an
+    `type`: a registered provider type (`chatroute.providers.registry`): `openai` (any
+    OpenAI-compatible chat-completions API; `base_url` required) or `anthropic`
+    (Anthropic's Messages API; `base_url` defaults to Anthropic's), or one registered
+    with `register_provider`. `default_max_tokens` is the output limit sent to an
     `anthropic` provider when a request sets none (its API requires one). `query` holds
     parameters every call carries in its URL (Azure OpenAI's `api-version`), and
     `api_key_header: api-key` sends the key as Azure's `api-key` header rather than
-    `Authorization: Bearer` (openai providers).
+    `Authorization: Bearer` (openai providers). Header names and values may not hold CR,
+    LF or NUL.
     """
 
-    type: Literal["openai", "anthropic"] = "openai"
+    type: str = "openai"
     base_url: str | None = None
     base_url_env: EnvName | None = None
     model: str | None = None
@@ -296,12 +302,24 @@ class ProviderConfig(_Strict):
                 raise ValueError(f"query parameter {key!r} carries a secret: use api_key_env")
         return query
 
+    @field_validator("type")
+    @classmethod
+    def _registered_type(cls, value: str) -> str:
+        from chatroute.providers.registry import provider_types
+
+        known = provider_types()
+        if value not in known:
+            raise ValueError(f"unknown provider type {value!r}; known: {', '.join(known)}")
+        return value
+
     @field_validator("headers")
     @classmethod
     def _no_secret_headers(cls, headers: dict[str, str]) -> dict[str, str]:
-        for key in headers:
+        for key, value in headers.items():
             if key.lower() in {"authorization", "api-key", "x-api-key", "proxy-authorization"}:
                 raise ValueError(f"header {key!r} carries a secret: use api_key_env instead")
+            if _SPLITS_HEAD.search(key) or _SPLITS_HEAD.search(value):
+                raise ValueError(f"header {key!r}: names and values may not contain CR, LF or NUL")
         return headers
 
     def resolved_base_url(self, environ: Mapping[str, str]) -> str | None:
@@ -437,22 +455,21 @@ class ChatrouteConfig(_Strict):
                 )
             )
         for name, provider in self.providers.items():
-            if provider.type == "anthropic" and importlib.util.find_spec("anthropic") is None:
-                problems.append(
-                    (
-                        f"providers.{name}.type",
-                        "anthropic providers need the anthropic SDK: "
-                        'pip install "chatroute[anthropic]"',
-                    )
-                )
             if provider.type == "anthropic" and provider.api_key_header != "authorization":
                 problems.append(
                     (
                         f"providers.{name}.api_key_header",
-                        "applies to openai providers only (the anthropic SDK sends the key)",
+                        "applies to openai providers only (anthropic sends x-api-key)",
                     )
                 )
-            if provider.type == "openai" and provider.resolved_base_url(env) is None:
+            if provider.api_key_env and _SPLITS_HEAD.search(env.get(provider.api_key_env, "")):
+                problems.append(
+                    (
+                        f"providers.{name}.api_key_env",
+                        f"{provider.api_key_env} holds CR, LF or NUL: it cannot go in a header",
+                    )
+                )
+            if provider.resolved_base_url(env) is None and _needs_base_url(provider.type):
                 problems.append(
                     (f"providers.{name}.base_url", "required (or set base_url_env in the env)")
                 )
@@ -461,6 +478,13 @@ class ChatrouteConfig(_Strict):
                     (f"providers.{name}.model", "required (or set model_env in the env)")
                 )
         return problems
+
+
+def _needs_base_url(provider_type: str) -> bool:
+    """Whether providers of this type need a configured base URL (no vendor default)."""
+    from chatroute.providers.registry import provider_class
+
+    return provider_class(provider_type).default_base_url is None
 
 
 def _closest(name: str, known: Mapping[str, Any]) -> str:

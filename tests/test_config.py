@@ -335,3 +335,21 @@ class _Unused(ChatClient):
 
     def get_streaming_response(self, messages: Any, options: Any = None) -> Any:
         raise AssertionError("not expected to be called")
+
+
+def test_header_values_that_could_split_the_request_head_are_refused_with_the_key() -> None:
+    from chatroute.config import ConfigError, parse_config
+
+    def config(**provider: Any) -> dict[str, Any]:
+        return {
+            "routing": {"default_route": "r"},
+            "providers": {"p": {"base_url": "http://127.0.0.1:1/v1", "model": "m", **provider}},
+            "routes": {"r": {"utterances": ["hi"], "targets": ["p"]}},
+        }
+
+    for headers in ({"x-team": "blue\r\nx-admin: yes"}, {"x-team": "a\nb"}, {"x\rbad": "v"}):
+        with pytest.raises(ConfigError, match=r"providers\.p\.headers.*CR, LF or NUL"):
+            parse_config(config(headers=headers), environ={})
+    with pytest.raises(ConfigError, match=r"providers\.p\.api_key_env.*KEY holds CR, LF"):
+        parse_config(config(api_key_env="KEY"), environ={"KEY": "sk-abc\r\nx-evil: 1"})
+    parse_config(config(headers={"x-team": "blue"}, api_key_env="KEY"), environ={"KEY": "sk-1"})

@@ -1,7 +1,7 @@
 """The service's own OpenAPI schema, fuzzed with schemathesis against the live server: no 5xx.
 
 A bounded, deterministic run: schema-valid and schema-violating requests for every
-operation (chat completions, route, classify, models, health, metrics), a fixed number of
+operation (chat completions, route, classify_failure, models, health, metrics), a fixed number of
 examples, derandomised so that a failure reproduces. Half of the chat requests get a real
 route and a servable conversation (their other fields stay fuzzed), so that valid ones also
 travel to the fake upstream and back.

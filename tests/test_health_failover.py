@@ -20,11 +20,7 @@ from chatroute.chat import (
     ChatRole,
     TextContent,
 )
-from chatroute.failover import FailoverChatClientAttempt
-from chatroute.failover.breaker import BreakerSettings, BreakerState, CircuitBreakerRegistry
-from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
-from chatroute.failover.timeouts import DeadlineExceededError, TimeoutChatClient
-from chatroute.providers.errors import (
+from chatroute.errors import (
     ContextLengthExceededError,
     ProviderAuthError,
     ProviderBadRequestError,
@@ -33,6 +29,10 @@ from chatroute.providers.errors import (
     RateLimitedError,
     StreamInterruptedError,
 )
+from chatroute.failover import FailoverChatClientAttempt
+from chatroute.failover.breaker import BreakerSettings, BreakerState, CircuitBreakerRegistry
+from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
+from chatroute.failover.timeouts import DeadlineExceededError, TimeoutChatClient
 from chatroute.router import RoutingContext
 
 MESSAGES = [ChatMessage(ChatRole.USER, "hi")]

@@ -13,7 +13,7 @@ import random
 import re
 import struct
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -29,8 +29,6 @@ from chatroute._json import (
     loads_counted,
     loads_exact,
 )
-from chatroute.providers._sdk_http import _json_default
-from chatroute.providers.openai_compat import OpenAIChatClient
 from chatroute.server import wire
 from chatroute.server.errors import APIError
 from chatroute.server.guard import NotJSON, parse_json, parse_json_stdlib
@@ -47,13 +45,6 @@ _WIRE = json.JSONEncoder(ensure_ascii=False)
 def reference_wire(obj: Any) -> bytes:
     """The server's response / SSE encoding before orjson."""
     return _WIRE.encode(obj).encode()
-
-
-def reference_upstream(obj: Any) -> bytes:
-    """The provider's request body encoding before orjson."""
-    return json.dumps(
-        obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_json_default
-    ).encode()
 
 
 # ------------------------------------------------------------------------ comparisons
@@ -551,42 +542,6 @@ def test_wire_sse_events_and_completions_are_orjson_when_plain() -> None:
     chunk = {"id": "c", "created": 1718000000, "choices": [choice]}
     assert wire._sse(chunk) == b"data: " + orjson.dumps(chunk) + b"\n\n"
     assert json.loads(wire._sse(chunk)[6:]) == chunk
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[OpenAIChatClient]:
-    provider = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key="sk-test")
-    yield provider
-    await provider.aclose()
-
-
-async def test_upstream_encoding_matches_the_stdlib_byte_for_byte_without_floats(
-    client: OpenAIChatClient,
-) -> None:
-    for value in python_values(300, 0):
-        body = {"model": "m", "extra": value}
-        new = outcome(lambda b=body: client._encode(b))
-        old = outcome(lambda b=body: reference_upstream(b))
-        if old[0] == "value" and _has_float(value):
-            # Floats may be spelled differently (1e-05 and 0.00001), never valued so.
-            assert decoded(lambda b=body: client._encode(b)) == decoded(
-                lambda b=body: reference_upstream(b)
-            ), value
-        else:
-            assert new == old, value
-
-
-@pytest.mark.parametrize("value", _ENCODER_CASES, ids=range(len(_ENCODER_CASES)))
-async def test_upstream_encoding_answers_as_the_stdlib_for_odd_values(
-    client: OpenAIChatClient, value: Any
-) -> None:
-    body = {"model": "m", "x": value}
-    assert outcome(lambda: client._encode(body)) == outcome(lambda: reference_upstream(body))
-
-
-async def test_upstream_encoding_still_refuses_nan(client: OpenAIChatClient) -> None:
-    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
-        client._encode({"model": "m", "temperature": math.nan})
 
 
 def test_dumps_plain_leaves_what_orjson_would_change_to_the_stdlib() -> None:

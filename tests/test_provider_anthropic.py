@@ -35,9 +35,8 @@ from chatroute.providers import (
     StreamInterruptedError,
     TruncatedStreamError,
     UpstreamStreamError,
-    classify,
+    classify_failure,
 )
-from chatroute.providers._http import http
 from chatroute.providers.anthropic_messages import (
     AnthropicChatClient,
     build_anthropic_request,
@@ -365,7 +364,7 @@ async def test_status_and_transport_faults_are_typed(
     async with _client(up) as client:
         with pytest.raises(error) as info:
             await client.get_response(USER)
-    assert classify(info.value) is (kind or FailureKind.CLIENT_ERROR)
+    assert classify_failure(info.value) is (kind or FailureKind.CLIENT_ERROR)
     assert "claude" in str(info.value)
 
 
@@ -394,7 +393,7 @@ async def test_silent_upstream_hits_the_read_timeout(up: FakeAnthropic) -> None:
     async with _client(up, read_timeout=0.3) as client:
         with pytest.raises(ProviderTimeoutError) as info:
             await asyncio.wait_for(client.get_response(USER), 10)
-    assert classify(info.value) is FailureKind.TIMEOUT
+    assert classify_failure(info.value) is FailureKind.TIMEOUT
 
 
 async def test_error_event_after_output_is_an_upstream_stream_error(up: FakeAnthropic) -> None:
@@ -423,7 +422,7 @@ async def test_cut_stream_is_interrupted(up: FakeAnthropic) -> None:
         with pytest.raises(StreamInterruptedError) as info:
             await _collect(client)
     assert info.value.after_output is True
-    assert classify(info.value) is FailureKind.STREAM_INTERRUPTED
+    assert classify_failure(info.value) is FailureKind.STREAM_INTERRUPTED
 
 
 async def test_stream_without_stop_reason_is_truncated(up: FakeAnthropic) -> None:
@@ -457,45 +456,21 @@ async def test_closed_client_refuses_calls(up: FakeAnthropic) -> None:
 
 # ---------------------------------------------------------------------------- transport
 
-# Headers the transport itself writes (or the SDK sends with a placeholder value).
-_TRANSPORT_HEADERS = {"host", "content-length", "connection", "accept-encoding"}
 
-
-async def test_requests_carry_the_headers_the_sdk_sends(up: FakeAnthropic) -> None:
-    """The client sends without the SDK's per-request machinery, so it must send what the
-    SDK's `messages.create` sends: its auth, version, user agent and platform headers."""
-    import anthropic
-
+async def test_requests_carry_the_key_and_the_api_version_the_sdk_sends(up: FakeAnthropic) -> None:
+    """What the Messages API needs on every request: the key as the anthropic SDK sends it
+    (a Bearer token), the API version, a JSON body; without a key no credentials at all."""
     up.script(Ok("one"), Ok("two"))
-    timeout = http.Timeout(connect=5.0, read=300.0, write=30.0, pool=10.0)  # the client's
-    sdk = anthropic.AsyncAnthropic(api_key=SECRET, base_url=up.url, max_retries=0, timeout=timeout)
-    async with sdk:
-        await sdk.messages.create(
-            model="claude-test", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
-        )
     async with _client(up, api_key=SECRET) as client:
         await client.get_response(USER)
-    by_sdk, ours = (
-        {k: v for k, v in r.headers.items() if k not in _TRANSPORT_HEADERS} for r in up.requests
-    )
-    by_sdk.pop("x-stainless-timeout", None)  # the SDK sends it as "NOT_GIVEN"
-    assert ours == by_sdk
-    assert SECRET in " ".join(ours.values()) and "anthropic-version" in ours
-
-
-async def test_a_given_http_client_carries_the_calls(up: FakeAnthropic) -> None:
-    up.script(Ok("over httpx"), Ok("streamed over httpx"), Status(503))
-    async with http.AsyncClient() as http_client:
-        async with _client(up, http_client=http_client) as client:
-            assert client._pool is None
-            response = await client.get_response(USER)
-            updates = await _collect(client)
-            with pytest.raises(ProviderServerError):
-                await client.get_response(USER)
-        assert not http_client.is_closed  # not owned: left open
-    assert response.text == "over httpx"
-    assert "".join(u.text for u in updates) == "streamed over httpx"
-    assert [r.json["stream"] for r in up.requests] == [False, True, False]
+    async with _client(up) as keyless:
+        await keyless.get_response(USER)
+    keyed, bare = (r.headers for r in up.requests)
+    assert keyed["authorization"] == f"Bearer {SECRET}"
+    assert keyed["anthropic-version"] == "2026-10-21"
+    assert keyed["content-type"] == "application/json"
+    assert "x-api-key" not in bare and "authorization" not in bare
+    assert bare["anthropic-version"] == "2026-10-21"
 
 
 @contextlib.asynccontextmanager

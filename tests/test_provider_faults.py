@@ -14,6 +14,8 @@ import openai
 import pytest
 
 from chatroute.chat import ChatMessage, ChatRole
+from chatroute.errors import error_fields, redact
+from chatroute.errors import status_error as make_status_error
 from chatroute.providers import (
     FAILURE_POLICIES,
     ContextLengthExceededError,
@@ -32,10 +34,9 @@ from chatroute.providers import (
     StreamStallTimeoutError,
     TruncatedStreamError,
     UpstreamStreamError,
-    classify,
+    classify_failure,
     parse_retry_after,
 )
-from chatroute.providers.errors import redact, translate_openai_error
 from tests.fakes import (
     ContentPolicy,
     ContextLengthExceeded,
@@ -218,55 +219,19 @@ CONTEXT_BODY = {
     ],
 )
 def test_classify(exc: BaseException, kind: FailureKind) -> None:
-    assert classify(exc) is kind
-
-
-@pytest.mark.parametrize(
-    ("exc", "expected_type", "kind"),
-    [
-        (status_error(503), ProviderServerError, FailureKind.SERVER_ERROR),
-        (status_error(429), RateLimitedError, FailureKind.RATE_LIMITED),
-        (status_error(401), ProviderAuthError, FailureKind.AUTH),
-        (status_error(400, CONTEXT_BODY), ContextLengthExceededError, FailureKind.CONTEXT_LENGTH),
-        (status_error(400), ProviderBadRequestError, FailureKind.CLIENT_ERROR),
-        (openai.APITimeoutError(request=REQUEST), ProviderTimeoutError, FailureKind.TIMEOUT),
-        (connection_error(httpx2.ConnectError("no")), ProviderConnectionError, FailureKind.CONNECT),
-        (json.JSONDecodeError("bad", "{", 0), MalformedResponseError, FailureKind.MALFORMED),
-        (
-            openai.APIError("boom", REQUEST, body=None),
-            UpstreamStreamError,
-            FailureKind.STREAM_ERROR,
-        ),
-        (KeyError("x"), ProviderError, FailureKind.UNKNOWN),
-    ],
-)
-def test_translate_openai_error(
-    exc: BaseException, expected_type: type[ProviderError], kind: FailureKind
-) -> None:
-    translated = translate_openai_error(exc, provider="p")
-    assert type(translated) is expected_type
-    assert isinstance(translated, ProviderError)
-    assert translated.kind is kind and translated.provider == "p"
-    assert str(translated).startswith("provider 'p': ")
-
-
-def test_translate_in_stream_and_passthrough() -> None:
-    cut = translate_openai_error(
-        connection_error(httpx2.RemoteProtocolError("cut")), in_stream=True
-    )
-    assert isinstance(cut, StreamInterruptedError)
-    stalled = translate_openai_error(openai.APITimeoutError(request=REQUEST), in_stream=True)
-    assert isinstance(stalled, StreamStallTimeoutError) and isinstance(stalled, TimeoutError)
-    cancelled = asyncio.CancelledError()
-    assert translate_openai_error(cancelled) is cancelled
-    original = RateLimitedError("x")
-    assert translate_openai_error(original) is original
+    assert classify_failure(exc) is kind
 
 
 def test_status_error_fields_and_retry_after() -> None:
     body = {"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}
-    exc = translate_openai_error(
-        status_error(429, body, {"retry-after": "7", "x-request-id": "req-1"}), provider="p"
+    exc = make_status_error(
+        429,
+        error_fields({"error": body}),
+        None,
+        {"retry-after": "7"},
+        label="rate_limit_exceeded",
+        request_id="req-1",
+        provider="p",
     )
     assert isinstance(exc, RateLimitedError)
     assert (exc.status_code, exc.error_type, exc.error_code) == (
@@ -356,10 +321,11 @@ async def test_pre_output_errors_are_typed_with_exactly_one_attempt(
         exc = info.value
     assert type(exc) is exc_type
     assert isinstance(exc, ProviderError)
-    assert exc.kind is kind and classify(exc) is kind
+    assert exc.kind is kind and classify_failure(exc) is kind
     assert exc.status_code == status
     assert exc.provider == "primary" and not exc.after_output
-    assert exc.__cause__ is not None
+    # A status error carries what the upstream said; a transport error its cause.
+    assert exc.error_message if status is not None else exc.__cause__ is not None
     assert up.attempts == 1
 
 
@@ -592,7 +558,7 @@ async def test_hang_hits_the_first_token_timeout_and_closes_the_connection(
         await provider.aclose()
     assert texts == []
     assert isinstance(exc, FirstTokenTimeoutError) and isinstance(exc, TimeoutError)
-    assert classify(exc) is FailureKind.FIRST_TOKEN_TIMEOUT
+    assert classify_failure(exc) is FailureKind.FIRST_TOKEN_TIMEOUT
     await up.await_disconnect(0, timeout=5)
 
 
@@ -617,7 +583,7 @@ async def test_stall_hits_the_stall_timeout_after_output(up: FakeUpstream) -> No
         await provider.aclose()
     assert texts == ["one ", "two "]
     assert isinstance(exc, StreamStallTimeoutError) and exc.after_output
-    assert classify(exc) is FailureKind.STALL_TIMEOUT
+    assert classify_failure(exc) is FailureKind.STALL_TIMEOUT
     await up.await_disconnect(0, timeout=5)
 
 

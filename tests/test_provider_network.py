@@ -1,5 +1,5 @@
-"""The provider's HTTP plumbing: its own connection pool (or a given httpx client),
-transport failures, TLS and the SSE event reader."""
+"""The providers' HTTP plumbing: the pooled aiohttp session, transport failures, TLS and
+the SSE event reader."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from chatroute.chat import ChatMessage, ChatRole
@@ -27,11 +26,9 @@ from chatroute.providers import (
     ProviderTimeoutError,
     RateLimitedError,
     StreamInterruptedError,
-    classify,
+    classify_failure,
 )
-from chatroute.providers._h1 import H1Pool
-from chatroute.providers._http import http
-from chatroute.providers._sdk_http import _SSEReader
+from chatroute.providers.sse import SSEReader
 from tests.fakes import FakeUpstream, Ok
 
 HI = [ChatMessage(ChatRole.USER, "hi")]
@@ -158,27 +155,35 @@ async def provider_on(handler: Handler, **settings: Any) -> AsyncIterator[OpenAI
         server.close()
 
 
-async def test_an_owned_client_has_its_own_pool_and_a_given_one_is_left_alone() -> None:
-    owned = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1")
-    given_http = http.AsyncClient()
-    given = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", http_client=given_http)
-    try:
-        assert isinstance(owned._pool, H1Pool) and given._pool is None
-        assert given._http is given_http
-    finally:
-        await owned.aclose()
-        await given.aclose()
-    assert owned._http.is_closed and not given_http.is_closed
-    await given_http.aclose()
+_OPENED: weakref.WeakKeyDictionary[asyncio.Server, list[int]] = weakref.WeakKeyDictionary()
+
+
+def server_connections(server: asyncio.Server) -> int:
+    """How many connections a `keep_alive_server` has accepted."""
+    return _OPENED[server][0]
+
+
+def open_connections(server: asyncio.Server) -> int:
+    """How many of them are still open (the client has not hung up)."""
+    return _OPENED[server][1]
+
+
+async def wait_for_condition(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
 
 
 async def keep_alive_server(
     answer: Callable[[bytes, bytes], bytes], heads: list[bytes]
 ) -> asyncio.Server:
     """A raw-socket upstream that answers each request on a connection with `answer(head, body)`
-    and records the request heads."""
+    and records the request heads (and counts connections: `server_connections`)."""
+    counts = [0, 0]
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counts[0] += 1
+        counts[1] += 1
         try:
             while True:
                 head, body = await read_request(reader)
@@ -187,8 +192,12 @@ async def keep_alive_server(
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
+        finally:
+            counts[1] -= 1
 
-    return await serve(handler)
+    server = await serve(handler)
+    _OPENED[server] = counts
+    return server
 
 
 def completion_or_stream(head: bytes, body: bytes) -> bytes:
@@ -198,34 +207,22 @@ def completion_or_stream(head: bytes, body: bytes) -> bytes:
     return json_answer(COMPLETION)
 
 
-async def test_an_owned_client_sends_on_its_pool_without_httpx_requests(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_calls_share_one_keep_alive_connection_and_send_a_plain_head() -> None:
     heads: list[bytes] = []
     server = await keep_alive_server(completion_or_stream, heads)
     client = OpenAIChatClient("m", base_url=f"http://127.0.0.1:{port_of(server)}/v1")
-
-    def no_httpx(*args: object, **kwargs: object) -> None:
-        raise AssertionError("an httpx request was built on the success path")
-
-    async def no_send(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the httpx client was sent on")
-
     try:
-        assert client._pool is not None and client._pool.connections == 0  # opened on use
-        monkeypatch.setattr(http, "Request", no_httpx)
-        monkeypatch.setattr(client._http, "send", no_send)
         assert (await client.get_response(HI)).text == "over tls"
         assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
-        assert client._pool.connections == 1  # one keep-alive connection for both
-        assert len(heads) == 2
+        assert (await client.get_response(HI)).text == "over tls"
+        assert len(heads) == 3 and server_connections(server) == 1
         sent = heads[0].decode("latin-1").lower()
         assert sent.startswith("post /v1/chat/completions http/1.1\r\n")
         assert f"host: 127.0.0.1:{port_of(server)}\r\n" in sent
-        assert "accept-encoding: gzip, deflate\r\n" in sent  # what the pool decodes
+        assert "accept-encoding: gzip, deflate" in sent  # what the session decodes
         assert sent.count("accept-encoding") == 1 and sent.count("content-length") == 1
         assert "content-type: application/json\r\n" in sent
-        assert "x-stainless-retry-count: 0\r\n" in sent
+        assert "authorization" not in sent  # no key, no credentials
     finally:
         await client.aclose()
         server.close()
@@ -270,7 +267,6 @@ async def test_a_compressed_error_answer_keeps_its_status_error() -> None:
             await client.get_response(HI)
         assert caught.value.retry_after == 7 and caught.value.status_code == 429
         assert caught.value.error_message == "slow down"
-        assert isinstance(caught.value.__cause__, openai.RateLimitError)
     finally:
         await client.aclose()
         server.close()
@@ -307,47 +303,19 @@ async def test_aclose_closes_the_pool_and_a_view_closes_nothing() -> None:
     try:
         # The client and its views share one pool.
         assert "".join([u.text async for u in view.get_streaming_response(HI)]) == "over tls"
-        pool = client._pool
-        assert pool is not None and view._pool is pool and pool.connections == 1
         await view.aclose()
-        assert pool.connections == 1
         with pytest.raises(RuntimeError):
             await view.get_response(HI)
         assert (await client.get_response(HI)).text == "over tls"  # the same connection
-        assert len(heads) == 2
+        assert len(heads) == 2 and server_connections(server) == 1
+        await client.aclose()
+        await wait_for_condition(lambda: open_connections(server) == 0)
     finally:
         await client.aclose()
         server.close()
-    await asyncio.sleep(0.01)  # the transport reports its close on the next loop turns
-    assert pool.connections == 0 and client._http.is_closed
     await client.aclose()  # idempotent
     with pytest.raises(RuntimeError):
         await client.get_response(HI)
-
-
-async def test_a_given_http_client_is_sent_on() -> None:
-    heads: list[bytes] = []
-    server = await keep_alive_server(completion_or_stream, heads)
-    sent: list[http.Request] = []
-
-    async def record(request: http.Request) -> None:
-        sent.append(request)
-
-    given_http = http.AsyncClient(event_hooks={"request": [record]})
-    client = OpenAIChatClient(
-        "m", base_url=f"http://127.0.0.1:{port_of(server)}/v1", http_client=given_http
-    )
-    try:
-        assert client._pool is None
-        assert (await client.get_response(HI)).text == "over tls"
-        assert "".join([u.text async for u in client.get_streaming_response(HI)]) == "over tls"
-        assert len(sent) == len(heads) == 2
-        assert all(str(r.url).endswith("/v1/chat/completions") for r in sent)
-    finally:
-        await client.aclose()
-        server.close()
-    assert not given_http.is_closed
-    await given_http.aclose()
 
 
 async def test_cancelling_a_started_stream_drops_its_connection() -> None:
@@ -404,7 +372,7 @@ async def test_a_refused_connection_is_a_connect_failure_not_a_timeout() -> None
         with pytest.raises(ProviderConnectionError) as caught:
             await client.get_response(HI)
         assert caught.value.kind is FailureKind.CONNECT
-        assert classify(caught.value.__cause__) is FailureKind.CONNECT  # type: ignore[arg-type]
+        assert classify_failure(caught.value.__cause__) is FailureKind.CONNECT  # type: ignore[arg-type]
     finally:
         await client.aclose()
 
@@ -603,7 +571,7 @@ async def read_all(chunks: list[bytes]) -> list[tuple[str | None, str]]:
         for chunk in chunks:
             yield chunk
 
-    reader = _SSEReader(source())
+    reader = SSEReader(source())
     out = []
     while (event := await reader.next()) is not None:
         out.append(event)
@@ -639,3 +607,44 @@ async def test_sse_reader_examples() -> None:
     assert await read_all([b"event: error\ndata: {}\n\n"]) == [("error", "{}")]
     assert await read_all([b": ping\n\n", b"data: x"]) == [(None, "x")]
     assert await read_all([]) == []
+
+
+# ------------------------------------------------------------------------------- list_models
+
+
+async def test_list_models_reads_every_page_and_types_its_failures() -> None:
+    from aiohttp import web
+
+    from chatroute.providers import AnthropicChatClient, ProviderAuthError
+
+    seen: list[tuple[str, str, str | None]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append((request.path, request.query_string, request.headers.get("Authorization")))
+        if request.headers.get("Authorization") == "Bearer sk-wrong-123":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        if request.path == "/v1/models" and "after_id" not in request.query:
+            return web.json_response({"data": [{"id": "a"}], "has_more": True, "last_id": "a"})
+        return web.json_response({"data": [{"id": "b"}], "has_more": False})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with AnthropicChatClient("c", base_url=url, api_key="sk-right-123") as claude:
+            assert await claude.list_models() == ["a", "b"]  # two pages
+        async with OpenAIChatClient("m", base_url=f"{url}/v1", api_key="sk-wrong-123") as bad:
+            with pytest.raises(ProviderAuthError) as caught:
+                await bad.list_models()
+            assert caught.value.error_message == "bad key"
+    finally:
+        await runner.cleanup()
+    assert [(path, query) for path, query, _ in seen] == [
+        ("/v1/models", ""),
+        ("/v1/models", "after_id=a"),
+        ("/v1/models", ""),
+    ]

@@ -19,7 +19,12 @@ from chatroute.chat import (
     TextContent,
     TextReasoningContent,
 )
-from chatroute.providers import FirstTokenTimeoutError, OpenAIChatClient, ProviderAuthError
+from chatroute.providers import (
+    FirstTokenTimeoutError,
+    OpenAIChatClient,
+    ProviderAuthError,
+    ProviderBadRequestError,
+)
 from chatroute.providers.mapping import (
     build_request,
     finish_reason_from_openai,
@@ -549,11 +554,12 @@ async def test_bad_arguments_to_calls(client: OpenAIChatClient) -> None:
         await client.get_response(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="options"):
         await client.get_response(HI, {"temperature": 1})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="empty"):
+    # What the request cannot say is the caller's error, typed (a 400 from the service).
+    with pytest.raises(ProviderBadRequestError, match="empty"):
         await collect(client, [])
     nameless = OpenAIChatClient(base_url="http://127.0.0.1:9/v1")
     try:
-        with pytest.raises(ValueError, match="no model"):
+        with pytest.raises(ProviderBadRequestError, match="no model"):
             await nameless.get_response(HI)
         assert nameless.name == "http://127.0.0.1:9/v1"
     finally:
@@ -611,3 +617,12 @@ def test_text_only_messages_map_as_the_general_path_maps_them(
     general = messages_to_openai([message(_Text)])
     assert fast == general
     assert list(fast[0]) == list(general[0])  # the same keys in the same order
+
+
+def test_header_values_that_could_split_the_request_head_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"'x-team'.*CR, LF or NUL"):
+        OpenAIChatClient(
+            "m", base_url="http://127.0.0.1:9/v1", default_headers={"x-team": "a\r\nb"}
+        )
+    with pytest.raises(ValueError, match="'Authorization'"):
+        OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key="sk-1\nx-evil: 1")

@@ -80,3 +80,14 @@ def test_every_module_opens_with_a_one_line_purpose() -> None:
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
         assert doc, f"{path.relative_to(root)} has no module docstring"
         assert doc.splitlines()[0].strip(), f"{path.relative_to(root)}: empty first line"
+
+
+def test_the_failover_package_exports_its_routers_and_the_classifier_has_its_name() -> None:
+    from chatroute.failover import HealthAwareFailoverChatClient, TimeoutChatClient
+
+    assert HealthAwareFailoverChatClient is chatroute.HealthAwareFailoverChatClient
+    assert TimeoutChatClient is chatroute.TimeoutChatClient
+    assert "classify_failure" in chatroute.__all__ and "classify" not in chatroute.__all__
+    assert not hasattr(chatroute, "classify")  # not to be confused with /v1/classify
+    error = chatroute.ProviderTimeoutError("late")
+    assert chatroute.classify_failure(error) is chatroute.FailureKind.TIMEOUT

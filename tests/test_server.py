@@ -29,8 +29,8 @@ from chatroute.chat import (
     UsageDetails,
 )
 from chatroute.config import parse_config
+from chatroute.errors import kind_for_status
 from chatroute.providers import ProviderError, ProviderStatusError, StreamInterruptedError
-from chatroute.providers.errors import kind_for_status
 from chatroute.server import build_engine, create_app
 from chatroute.server.wire import StreamEncoder
 

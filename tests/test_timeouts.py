@@ -19,15 +19,15 @@ from chatroute.chat import (
     ChatRole,
     TextContent,
 )
-from chatroute.failover import FailoverChatClientAttempt, OrderedFailoverChatClient
-from chatroute.failover.timeouts import TimeoutChatClient
-from chatroute.providers.errors import (
+from chatroute.errors import (
     FailureKind,
     FirstTokenTimeoutError,
     ProviderTimeoutError,
     StreamStallTimeoutError,
-    classify,
+    classify_failure,
 )
+from chatroute.failover import FailoverChatClientAttempt, OrderedFailoverChatClient
+from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.router import RoutingContext
 
 LIMIT = 0.02  # seconds; the only real waiting these tests do is a few of these
@@ -108,7 +108,7 @@ async def test_attempt_timeout_raises_a_typed_timeout_and_leaves_the_task_uncanc
     with pytest.raises(ProviderTimeoutError) as info:
         await client.get_response(MESSAGES)
     assert isinstance(info.value, TimeoutError)
-    assert classify(info.value) is FailureKind.TIMEOUT
+    assert classify_failure(info.value) is FailureKind.TIMEOUT
     assert info.value.provider == "scripted"
     assert inner.cancelled == 1  # the inner call was stopped
     assert cancelling() == 0
@@ -164,7 +164,7 @@ async def test_first_token_timeout_closes_the_inner_stream() -> None:
     client = TimeoutChatClient(inner, first_token_timeout=LIMIT)
     with pytest.raises(FirstTokenTimeoutError) as info:
         await collect(client.get_streaming_response(MESSAGES))
-    assert classify(info.value) is FailureKind.FIRST_TOKEN_TIMEOUT
+    assert classify_failure(info.value) is FailureKind.FIRST_TOKEN_TIMEOUT
     assert inner.closed_streams == 1
     assert cancelling() == 0
 
@@ -177,7 +177,7 @@ async def test_stall_timeout_after_output_closes_the_inner_stream() -> None:
         async for item in client.get_streaming_response(MESSAGES):
             received.append(item.text)
     assert received == ["one"]
-    assert classify(info.value) is FailureKind.STALL_TIMEOUT
+    assert classify_failure(info.value) is FailureKind.STALL_TIMEOUT
     assert inner.closed_streams == 1
     assert cancelling() == 0
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from chatroute.errors import ProviderServerError
 from chatroute.failover.health import HealthAwareFailoverChatClient
-from chatroute.providers.errors import ProviderServerError
 from chatroute.server.tracing import (
     RecordingFailoverChatClient,
     RequestTrace,

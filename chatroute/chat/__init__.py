@@ -18,6 +18,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UriContent,
     UsageDetails,
+    carries_content,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "TextReasoningContent",
     "UriContent",
     "UsageDetails",
+    "carries_content",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "TextReasoningContent",
     "UriContent",
     "UsageDetails",
+    "carries_content",
 ]
 
 
@@ -312,3 +313,17 @@ class ChatResponseUpdate:
     def text(self) -> str:
         """The text parts of this update, joined."""
         return _text_of(self.contents)
+
+
+_TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per call
+
+
+def carries_content(update: ChatResponseUpdate) -> bool:
+    """Whether an update carries output (the commit rule's test): non-empty text or
+    reasoning, a tool call, any other content (media), or a refusal. Role-only deltas,
+    keep-alives, usage and a bare finish reason do not."""
+    for content in update.contents:
+        if not isinstance(content, _TEXTS) or content.text:
+            return True
+    props = update.additional_properties
+    return bool(props and props.get("refusal"))

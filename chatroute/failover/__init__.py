@@ -2,6 +2,16 @@
 
 from chatroute.failover.attempt import FailoverChatClientAttempt
 from chatroute.failover.base import FailoverChatClient
+from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
 from chatroute.failover.ordered import OrderedFailoverChatClient
+from chatroute.failover.timeouts import DeadlineExceededError, TimeoutChatClient
 
-__all__ = ["FailoverChatClient", "FailoverChatClientAttempt", "OrderedFailoverChatClient"]
+__all__ = [
+    "DeadlineExceededError",
+    "FailoverChatClient",
+    "FailoverChatClientAttempt",
+    "HealthAwareFailoverChatClient",
+    "OrderedFailoverChatClient",
+    "Selection",
+    "TimeoutChatClient",
+]

@@ -9,6 +9,7 @@ from time import perf_counter
 from typing import Any, NoReturn
 
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
+from chatroute.errors import is_cancelling
 from chatroute.failover.attempt import FailoverChatClientAttempt
 from chatroute.router.base import RoutingChatClient
 from chatroute.router.context import RoutingContext
@@ -17,14 +18,6 @@ __all__ = ["FailoverChatClient"]
 
 # What counts as a failure of an attempt (F7). Any other BaseException propagates at once.
 _FAILURES = (Exception, asyncio.CancelledError)
-
-_current_task = asyncio.current_task
-
-
-def _is_cancelling() -> bool:
-    """True when the running task has cancel() requests not matched by uncancel()."""
-    task = _current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _raise_cancelled(failure: BaseException) -> NoReturn:
@@ -111,7 +104,7 @@ class FailoverChatClient(RoutingChatClient):
                     True,
                 )
                 return response
-            cancelled = _is_cancelling()
+            cancelled = is_cancelling()
             is_terminal = cancelled or (limit is not None and attempts >= limit)
             await self.on_routing_update(
                 context,
@@ -201,7 +194,7 @@ class FailoverChatClient(RoutingChatClient):
                         failure = exc
             committed = time_to_first_update is not None
             completed = ended and failure is None
-            cancelled = failure is not None and _is_cancelling()
+            cancelled = failure is not None and is_cancelling()
             is_terminal = (
                 completed or committed or cancelled or (limit is not None and attempts >= limit)
             )

@@ -8,9 +8,9 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from chatroute.chat.client import ChatClient
+from chatroute.errors import FailureKind, FailurePolicy, classify_failure, is_cancelling
 from chatroute.failover.attempt import FailoverChatClientAttempt
 from chatroute.failover.base import FailoverChatClient
 from chatroute.failover.breaker import (
@@ -23,9 +23,6 @@ from chatroute.failover.breaker import (
 from chatroute.failover.timeouts import DeadlineExceededError
 from chatroute.router.base import close_each_once, snapshot_clients
 from chatroute.router.context import RoutingContext
-
-if TYPE_CHECKING:
-    from chatroute.providers.errors import FailurePolicy
 
 __all__ = ["HealthAwareFailoverChatClient", "Selection"]
 
@@ -80,14 +77,8 @@ class _RequestState:
 
 
 def _policy_of(failure: BaseException) -> FailurePolicy:
-    """The error-class row for a failure (`chatroute.providers.errors` owns the table).
-
-    The table is imported on the first failure, so this module stays importable without
-    the HTTP and SDK stack.
-    """
-    from chatroute.providers.errors import FailureKind, FailurePolicy, classify
-
-    kind = classify(failure)
+    """The error-class row for a failure (`chatroute.errors` owns the table)."""
+    kind = classify_failure(failure)
     if kind is FailureKind.CANCELLED:
         # A CancelledError that a client raised while the caller was not cancelling is an
         # ordinary failure (routing contract C2): fail over, but it says nothing about the
@@ -97,11 +88,6 @@ def _policy_of(failure: BaseException) -> FailurePolicy:
 
 
 _PROBE = PermitKind.PROBE  # read per selection: a global is cheaper than the enum's member
-
-
-def _is_cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> float | None:
@@ -556,7 +542,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
                 permit.record_success()
             self._states.pop(_ref(context), None)
             return
-        if is_terminal and _is_cancelling():
+        if is_terminal and is_cancelling():
             if permit is not None:
                 permit.release()  # the caller left: not the provider's fault
             self._states.pop(_ref(context), None)

@@ -1,22 +1,30 @@
-"""Per-attempt time limits as a wrapping ChatClient, and the request-deadline error."""
+"""Per-attempt time limits, one mechanism for wrappers and providers alike; the deadline error."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
-from chatroute._timer import timeout
 from chatroute.chat.client import ChatClient, DelegatingChatClient
 from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponse, ChatResponseUpdate
+from chatroute.errors import (
+    FirstTokenTimeoutError,
+    ProviderTimeoutError,
+    StreamStallTimeoutError,
+    is_cancelling,
+)
 
-__all__ = ["DeadlineExceededError", "TimeoutChatClient"]
+__all__ = [
+    "DeadlineExceededError",
+    "TimeoutChatClient",
+    "check_limit",
+    "stream_within",
+    "within",
+]
 
-# The errors raised here are the provider error classes of `chatroute.providers.errors`, so
-# that one hierarchy (and one classification table) covers every timeout. That module is
-# imported only when a limit expires, which keeps this one importable without the HTTP
-# and SDK stack.
+T = TypeVar("T")
 
 
 class DeadlineExceededError(TimeoutError):
@@ -30,7 +38,8 @@ class DeadlineExceededError(TimeoutError):
         super().__init__(message or f"the request deadline of {deadline:g} s was exceeded")
 
 
-def _limit(name: str, value: object) -> float | None:
+def check_limit(name: str, value: object) -> float | None:
+    """A time limit in seconds: a positive number, None (or infinity) for none."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -41,9 +50,87 @@ def _limit(name: str, value: object) -> float | None:
     return None if math.isinf(number) else number
 
 
-def _is_cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+async def within(call: Callable[[], Awaitable[T]], limit: float | None, *, name: str | None) -> T:
+    """`await call()` within `limit` seconds (None: no limit).
+
+    When the limit expires the call is cancelled and `ProviderTimeoutError` (kind TIMEOUT)
+    is raised, the task left not cancelling; a cancellation of the caller passes through.
+    """
+    if limit is None:
+        return await call()
+    timer = asyncio.timeout(limit)
+    try:
+        async with timer:
+            return await call()
+    except (Exception, asyncio.CancelledError) as exc:
+        if timer.expired() and not is_cancelling():
+            raise ProviderTimeoutError(
+                f"no answer within the attempt timeout of {limit:g} s", provider=name
+            ) from exc
+        raise
+
+
+async def stream_within(
+    stream: AsyncIterator[T],
+    *,
+    first_token: float | None,
+    stall: float | None,
+    total: float | None = None,
+    name: str | None,
+) -> AsyncIterator[T]:
+    """`stream`'s items, each within its time limit.
+
+    `first_token` bounds the wait for the first item (counted from the first `__anext__`),
+    `stall` the wait for each later one (time the caller spends between items is not
+    counted), `total` the whole stream. When one expires the pending read is cancelled,
+    `stream` closed, and `FirstTokenTimeoutError`, `StreamStallTimeoutError` or (total)
+    `ProviderTimeoutError` raised, the task left not cancelling. `stream` should hold back
+    items that carry nothing until content arrives: the first item commits the attempt.
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + total if total is not None else None
+    first = True
+    try:
+        while True:
+            limit = first_token if first else stall
+            deadline = loop.time() + limit if limit is not None else None
+            whole = end is not None and (deadline is None or end <= deadline)
+            if whole:
+                deadline = end
+            if deadline is None:
+                try:
+                    item = await anext(stream)
+                except StopAsyncIteration:
+                    return
+            else:
+                timer = asyncio.timeout_at(deadline)
+                try:
+                    async with timer:
+                        item = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except (Exception, asyncio.CancelledError) as exc:
+                    if not timer.expired() or is_cancelling():
+                        raise
+                    if whole:
+                        raise ProviderTimeoutError(
+                            f"the stream exceeded the attempt timeout of {total:g} s",
+                            provider=name,
+                            after_output=not first,
+                        ) from exc
+                    if first:
+                        raise FirstTokenTimeoutError(
+                            f"no first update within {limit:g} s", provider=name
+                        ) from exc
+                    raise StreamStallTimeoutError(
+                        f"the stream stalled for {limit:g} s", provider=name, after_output=True
+                    ) from exc
+            first = False
+            yield item
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class TimeoutChatClient(DelegatingChatClient):
@@ -60,11 +147,12 @@ class TimeoutChatClient(DelegatingChatClient):
 
     `None` means no limit. When a limit expires the inner call is cancelled, the inner
     stream is closed, and a `ProviderTimeoutError` (attempt timeout, kind TIMEOUT),
-    `FirstTokenTimeoutError` or `StreamStallTimeoutError` from `chatroute.providers.errors`
-    is raised: all `TimeoutError`s carrying the failure kind the failover policy acts on.
+    `FirstTokenTimeoutError` or `StreamStallTimeoutError` from `chatroute.errors` is
+    raised: all `TimeoutError`s carrying the failure kind the failover policy acts on.
     The task is left not cancelling, so a failover router treats the expiry as an
     ordinary failure and may fail over. A cancellation of the caller's task passes
-    through as the `CancelledError` it is.
+    through as the `CancelledError` it is. The HTTP providers apply their own limits with
+    the same functions (`within`, `stream_within`).
     `aclose()` closes `inner` unless `leave_open` is set.
     """
 
@@ -80,9 +168,9 @@ class TimeoutChatClient(DelegatingChatClient):
         super().__init__(inner)
         if not isinstance(leave_open, bool):
             raise TypeError(f"leave_open must be a bool, got {type(leave_open).__name__}")
-        self.attempt_timeout = _limit("attempt_timeout", attempt_timeout)
-        self.first_token_timeout = _limit("first_token_timeout", first_token_timeout)
-        self.stall_timeout = _limit("stall_timeout", stall_timeout)
+        self.attempt_timeout = check_limit("attempt_timeout", attempt_timeout)
+        self.first_token_timeout = check_limit("first_token_timeout", first_token_timeout)
+        self.stall_timeout = check_limit("stall_timeout", stall_timeout)
         self.leave_open = leave_open
 
     @property
@@ -102,63 +190,22 @@ class TimeoutChatClient(DelegatingChatClient):
     async def get_response(
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> ChatResponse:
-        limit = self.attempt_timeout
-        if limit is None:
-            return await self.inner.get_response(messages, options)
-        timer = timeout(limit)
-        try:
-            async with timer:
-                return await self.inner.get_response(messages, options)
-        except (Exception, asyncio.CancelledError) as exc:
-            if timer.expired() and not _is_cancelling():
-                from chatroute.providers.errors import ProviderTimeoutError
+        return await within(
+            lambda: self.inner.get_response(messages, options),
+            self.attempt_timeout,
+            name=self.name,
+        )
 
-                raise ProviderTimeoutError(
-                    f"no answer within the attempt timeout of {limit:g} s", provider=self.name
-                ) from exc
-            raise
-
-    async def get_streaming_response(  # type: ignore[override]
+    def get_streaming_response(  # type: ignore[override]
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> AsyncIterator[ChatResponseUpdate]:
-        iterator: Any = aiter(self.inner.get_streaming_response(messages, options))
-        try:
-            first = True
-            while True:
-                limit = self.first_token_timeout if first else self.stall_timeout
-                if limit is None:
-                    try:
-                        item = await anext(iterator)
-                    except StopAsyncIteration:
-                        return
-                else:
-                    timer = timeout(limit)
-                    try:
-                        async with timer:
-                            item = await anext(iterator)
-                    except StopAsyncIteration:
-                        return
-                    except (Exception, asyncio.CancelledError) as exc:
-                        if timer.expired() and not _is_cancelling():
-                            from chatroute.providers.errors import (
-                                FirstTokenTimeoutError,
-                                StreamStallTimeoutError,
-                            )
-
-                            if first:
-                                raise FirstTokenTimeoutError(
-                                    f"no first update within {limit:g} s", provider=self.name
-                                ) from exc
-                            raise StreamStallTimeoutError(
-                                f"the stream stalled for {limit:g} s", provider=self.name
-                            ) from exc
-                        raise
-                first = False
-                yield item
-        finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        inner: Any = aiter(self.inner.get_streaming_response(messages, options))
+        return stream_within(
+            inner,
+            first_token=self.first_token_timeout,
+            stall=self.stall_timeout,
+            name=self.name,
+        )
 
     async def aclose(self) -> None:
         """Close `inner` unless `leave_open` is set."""

@@ -1,8 +1,6 @@
-"""Provider clients: ChatClients that call remote LLM APIs, and their typed errors."""
+"""Provider clients: ChatClients that call remote LLM APIs over HTTP, and their registry."""
 
-from typing import TYPE_CHECKING, Any
-
-from chatroute.providers.errors import (
+from chatroute.errors import (
     FAILURE_POLICIES,
     ContextLengthExceededError,
     FailureKind,
@@ -21,24 +19,14 @@ from chatroute.providers.errors import (
     StreamStallTimeoutError,
     TruncatedStreamError,
     UpstreamStreamError,
-    classify,
+    classify_failure,
     kind_for_status,
     parse_retry_after,
 )
+from chatroute.providers.anthropic_messages import AnthropicChatClient
+from chatroute.providers.http_base import HTTPChatClient, StreamTranslator
 from chatroute.providers.openai_compat import OpenAIChatClient
-
-if TYPE_CHECKING:
-    from chatroute.providers.anthropic_messages import AnthropicChatClient
-
-
-def __getattr__(name: str) -> Any:
-    # AnthropicChatClient needs the optional anthropic SDK: imported when asked for.
-    if name == "AnthropicChatClient":
-        from chatroute.providers.anthropic_messages import AnthropicChatClient
-
-        return AnthropicChatClient
-    raise AttributeError(f"module 'chatroute.providers' has no attribute {name!r}")
-
+from chatroute.providers.registry import provider_class, provider_types, register_provider
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -47,6 +35,7 @@ __all__ = [
     "FailureKind",
     "FailurePolicy",
     "FirstTokenTimeoutError",
+    "HTTPChatClient",
     "MalformedResponseError",
     "OpenAIChatClient",
     "ProviderAuthError",
@@ -59,9 +48,13 @@ __all__ = [
     "RateLimitedError",
     "StreamInterruptedError",
     "StreamStallTimeoutError",
+    "StreamTranslator",
     "TruncatedStreamError",
     "UpstreamStreamError",
-    "classify",
+    "classify_failure",
     "kind_for_status",
     "parse_retry_after",
+    "provider_class",
+    "provider_types",
+    "register_provider",
 ]

@@ -1,25 +1,15 @@
-"""AnthropicChatClient: Anthropic's Messages API, sending the requests the `anthropic` SDK sends.
-
-Installed with the `anthropic` extra (`pip install "chatroute[anthropic]"`); importing this
-module without the SDK raises an `ImportError` that says so.
-"""
+"""AnthropicChatClient: Anthropic's Messages API, translated to and from chatroute's chat types."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-try:
-    import anthropic
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'AnthropicChatClient needs the anthropic SDK: pip install "chatroute[anthropic]"'
-    ) from exc
+import orjson
+from typing_extensions import Unpack
 
-from chatroute._json import loads as json_loads
-from chatroute.chat.client import ChatClient
 from chatroute.chat.types import (
     ChatFinishReason,
     ChatMessage,
@@ -37,27 +27,12 @@ from chatroute.chat.types import (
     UriContent,
     UsageDetails,
 )
-from chatroute.providers._checks import check_call_args, check_client_args
-from chatroute.providers._http import http
-from chatroute.providers._sdk_http import (
-    SDKTransport,
-    _Body,
-    _close_uninterruptibly,
-    _owned_http_client,
-    _SSEReader,
-)
-from chatroute.providers.errors import (
-    MalformedResponseError,
-    ProviderBadRequestError,
-    ProviderError,
-    TruncatedStreamError,
-    UpstreamStreamError,
-    _error_fields,
-    redact,
-    status_error,
-    translate_openai_error,
-)
+from chatroute.errors import UpstreamStreamError, error_fields, redact
+from chatroute.providers.http_base import HTTPChatClient, HTTPSettings, StreamTranslator
 from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, _result_text, tool_to_openai
+
+if TYPE_CHECKING:
+    from chatroute.config import ProviderConfig
 
 __all__ = [
     "AnthropicChatClient",
@@ -422,7 +397,7 @@ def in_band_error(
 ) -> UpstreamStreamError:
     """The error for an `error` event of a stream (or an error object answered with a 200):
     `body` is the event's JSON, `fallback` the text used when it holds no message."""
-    etype, code, message = _error_fields(body)
+    etype, code, message = error_fields(body)
     text = message or fallback
     return UpstreamStreamError(
         f"the upstream sent an error event: {redact(text, secrets) if text else 'error event'}",
@@ -434,340 +409,86 @@ def in_band_error(
     )
 
 
-def translate_anthropic_error(
-    exc: BaseException,
-    *,
-    provider: str | None,
-    secrets: tuple[str, ...] = (),
-    in_stream: bool = False,
-    after_output: bool = False,
-) -> BaseException:
-    """The typed `ProviderError` for an exception from the anthropic SDK or its transport.
-
-    Status answers are classified as the OpenAI ones are (`kind_for_status`: 529
-    "overloaded" is a server error, "prompt is too long" a context-length error). An
-    `error` event inside a 200 stream is an `UpstreamStreamError`. `CancelledError` and
-    `ProviderError`s are returned unchanged.
-    """
-    if isinstance(exc, ProviderError) or not isinstance(exc, Exception):
-        return exc
-
-    def clean(text: str | None) -> str | None:
-        return redact(text, secrets) if text is not None else None
-
-    common: dict[str, Any] = {"provider": provider, "after_output": after_output}
-    if isinstance(exc, anthropic.APIStatusError):
-        status = exc.status_code
-        if status < 400:  # an `error` event in a 200 stream
-            return in_band_error(
-                exc.body,
-                provider=provider,
-                secrets=secrets,
-                after_output=after_output,
-                fallback=exc.message,
-            )
-        etype, code, message = _error_fields(exc.body)
-        headers = exc.response.headers
-        return status_error(
-            status,
-            (etype, code, message),
-            exc.message,
-            dict(headers),
-            label=etype or code,
-            request_id=headers.get("request-id") or headers.get("x-request-id"),
-            secrets=secrets,
-            **common,
-        )
-    if isinstance(exc, anthropic.APIConnectionError):  # its timeouts included
-        # The SDK raises these from the transport's errors (the same httpx flavour as the
-        # openai SDK's), which are classified as the OpenAI provider's are.
-        exc = exc.__cause__ or exc
-    elif isinstance(exc, anthropic.APIError | ValueError | KeyError | TypeError | AttributeError):
-        return MalformedResponseError(
-            f"the upstream sent an answer that is not a Messages API one ({clean(str(exc))})",
-            **common,
-        )
-    return translate_openai_error(
-        exc, provider=provider, secrets=secrets, in_stream=in_stream, after_output=after_output
-    )
-
-
 # ---------------------------------------------------------------------------- the client
 
+# The API version the anthropic SDK (2.x) sends, and its key header: a Bearer token.
+ANTHROPIC_VERSION = "2026-10-21"
 
-class AnthropicChatClient(SDKTransport, ChatClient):
-    """A provider for Anthropic's Messages API (`POST /v1/messages`), as the `anthropic` SDK
-    sends it.
 
-    Requests and answers are translated to and from chatroute's types
-    (`build_anthropic_request`, `response_from_anthropic`): system messages become the
-    `system` text, tool calls and results `tool_use` / `tool_result` blocks, thinking
-    blocks `TextReasoningContent`, `stop_reason` the finish reason, and usage counts
-    (cache reads and writes included in the input count). The SDK's own retries are off:
-    retrying and failing over belong to the failover policy. Failures are typed
-    `ProviderError`s classified like the OpenAI provider's (429 with its Retry-After, 529
-    overloaded as a server error, "prompt is too long" as a context-length error).
+class AnthropicChatClient(HTTPChatClient):
+    """A provider for Anthropic's Messages API (`POST {base_url}/v1/messages`).
+
+    The transport, time limits, streaming commit rule and error classification are
+    `HTTPChatClient`'s; this class translates. Requests and answers are translated to and
+    from chatroute's types (`build_anthropic_request`, `response_from_anthropic`): system
+    messages become the `system` text, tool calls and results `tool_use` / `tool_result`
+    blocks, thinking blocks `TextReasoningContent`, `stop_reason` the finish reason, and
+    usage counts (cache reads and writes included in the input count). HTTP errors are
+    classified like the OpenAI provider's (429 with its Retry-After, 529 overloaded as a
+    server error, "prompt is too long" as a context-length error); `request-id` is the
+    request id.
 
     Thinking comes back as `TextReasoningContent` whose `protected_data` holds the
     block's signature (a redacted block: empty text, its data), and such reasoning is
     sent back as thinking blocks, as tool use with extended thinking requires; reasoning
     without it is left out of requests. Streamed reasoning carries no signature.
 
-    Streams follow the commit rule: nothing is yielded before the first content-bearing
-    event (text, thinking or a tool call); `message_start` and empty block starts are
-    folded into it. An `error` event, a malformed event or a broken connection raises
-    from the iterator; a stream that ends without a `stop_reason` raises
-    `TruncatedStreamError`. Closing the iterator closes the HTTP response at once.
-
-    Time limits here are the transport's (`connect`, `read` between two reads, `write`,
-    `pool`); per-attempt, first-token and stall limits come from wrapping the client in
-    `TimeoutChatClient` (the service does). `api_key` is sent as the SDK sends it; without
-    one no credentials are sent at all (nor does the SDK read ANTHROPIC_API_KEY by itself).
-
-    The request is the one the SDK's `messages.create` sends (URL, headers, JSON body),
-    sent without the SDK's per-request machinery, and the answer is read as plain JSON or
-    server-sent events (`SDKTransport`): on the client's own connection pool when it owns
-    its HTTP client, else on the `http_client` given. Failures are the SDK's exceptions,
-    translated as described above. When the environment routes the endpoint through a
-    proxy (`HTTPS_PROXY` / `HTTP_PROXY` / `ALL_PROXY`, less `NO_PROXY`), requests go on an
-    httpx client that uses it instead of the own pool. No redirects are followed.
+    A stream is complete at `message_delta`'s `stop_reason`; `ping` and unknown events are
+    skipped; an `error` event is an `UpstreamStreamError`. `api_key` goes as the anthropic
+    SDK sends it (`Authorization: Bearer`, with `anthropic-version: 2026-10-21`); without
+    one no credentials are sent (nothing is read from the environment by this class).
     """
 
-    _sdk_timeout_error = anthropic.APITimeoutError
-    _sdk_connection_error = anthropic.APIConnectionError
+    path = "v1/messages"
+    models_path = "v1/models"
+    default_base_url = DEFAULT_BASE_URL
+    reserved_body_keys = _RESERVED_BODY_KEYS
+    request_id_headers = ("request-id", "x-request-id")
 
     def __init__(
         self,
         model: str | None = None,
         *,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        name: str | None = None,
-        connect_timeout: float | None = 5.0,
-        read_timeout: float | None = 300.0,
-        write_timeout: float | None = 30.0,
-        pool_timeout: float | None = 10.0,
-        max_connections: int = 100,
-        max_keepalive_connections: int = 20,
-        keepalive_expiry: float = 30.0,
-        default_headers: Mapping[str, str] | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        extra_body: Mapping[str, Any] | None = None,
-        context_window: int | None = None,
-        http_client: Any = None,
-        default_query: Mapping[str, str] | None = None,
+        **settings: Unpack[HTTPSettings],
     ) -> None:
-        check_client_args(
-            model=model,
-            max_connections=max_connections,
-            max_keepalive_connections=max_keepalive_connections,
-            context_window=context_window,
-            extra_body=extra_body,
-            reserved_body_keys=_RESERVED_BODY_KEYS,
-        )
         if default_max_tokens < 1:
             raise ValueError("default_max_tokens must be a positive token count")
-        self.model = model
-        self.base_url = base_url or DEFAULT_BASE_URL
-        self.name = name or model or self.base_url
         self.default_max_tokens = default_max_tokens
-        self.extra_body = dict(extra_body) if extra_body else None
-        self.context_window = context_window
-        self._secrets: tuple[str, ...] = (api_key,) if api_key else ()
-        self._closed = False
-        timeout = http.Timeout(
-            connect=connect_timeout, read=read_timeout, write=write_timeout, pool=pool_timeout
-        )
-        self.read_timeout = read_timeout
-        self._owns_http = http_client is None
-        tls = None  # the own pool's, when it sends
-        if http_client is None:
-            http_client, tls = _owned_http_client(
-                self.base_url,
-                timeout=timeout,
-                verify=True,
-                max_connections=max_connections,
-                max_keepalive_connections=max_keepalive_connections,
-                keepalive_expiry=keepalive_expiry,
-            )
-        headers = dict(default_headers or {})
-        if not api_key:
-            headers["Authorization"] = anthropic.omit  # type: ignore[assignment]
-        self._extra_headers = {}
-        sdk = anthropic.AsyncAnthropic(
-            # An explicit key (or a placeholder that is never sent): the SDK must not
-            # pick one up from the environment by itself.
-            api_key=api_key or "unused",
-            base_url=self.base_url,
-            max_retries=0,
-            timeout=timeout,
-            default_headers=headers or None,
-            default_query=dict(default_query) if default_query else None,
-            http_client=http_client,
-        )
-        self._init_transport(
-            sdk,
-            http_client,
-            b"v1/messages",
-            timeout,
-            default_query=default_query,
-            tls=tls,
-            max_connections=max_connections,
-            keepalive_expiry=keepalive_expiry,
-        )
+        super().__init__(model, **settings)
 
-    def __repr__(self) -> str:
-        return (
-            f"AnthropicChatClient(name={self.name!r}, model={self.model!r}, "
-            f"base_url={self.base_url!r})"
-        )
+    @classmethod
+    def from_config(cls, settings: ProviderConfig, **common: Any) -> AnthropicChatClient:
+        """The client a config's provider entry describes (`common`: the settings every
+        HTTP provider takes, built by the registry)."""
+        return cls(default_max_tokens=settings.default_max_tokens, **common)
 
-    async def aclose(self) -> None:
-        """Close the connection pool and the SDK's HTTP client, when owned; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owns_http:
-            await self._close_transport()
+    def _auth_headers(self, api_key: str | None) -> dict[str, str]:
+        return {"anthropic-version": ANTHROPIC_VERSION, **super()._auth_headers(api_key)}
 
-    def _request(
-        self, messages: Sequence[ChatMessage], options: ChatOptions | None
+    def _status_label(self, etype: str | None, code: str | None) -> str | None:
+        return etype or code
+
+    def _build_body(
+        self, messages: Sequence[ChatMessage], options: ChatOptions | None, *, stream: bool
     ) -> dict[str, Any]:
-        if self._closed:
-            raise RuntimeError(f"AnthropicChatClient {self.name!r} is closed")
-        check_call_args(messages, options)
-        try:
-            return build_anthropic_request(
-                messages,
-                options,
-                default_model=self.model,
-                default_max_tokens=self.default_max_tokens,
-                extra_body=self.extra_body,
-            )
-        except ValueError as exc:
-            raise ProviderBadRequestError(str(exc), provider=self.name) from exc
-
-    async def list_models(self) -> list[str]:
-        """The model ids the API lists (`GET /v1/models`), to check a deployment: it is
-        reachable, it takes the key, it serves the model. Failures are `ProviderError`s."""
-        if self._closed:
-            raise RuntimeError(f"AnthropicChatClient {self.name!r} is closed")
-        try:
-            page = await self._client.models.list()
-            return [model.id async for model in page]
-        except Exception as exc:
-            raise self._translate(exc) from exc
-
-    def _translate(self, exc: BaseException, **kw: Any) -> BaseException:
-        return translate_anthropic_error(exc, provider=self.name, secrets=self._secrets, **kw)
-
-    def _error_event(self, data: Any, *, after_output: bool) -> ProviderError:
-        """The error for an `error` event (or an error object answered with a 200)."""
-        fallback = data if isinstance(data, str) else json.dumps(data)
-        return in_band_error(
-            data,
-            provider=self.name,
-            secrets=self._secrets,
-            after_output=after_output,
-            fallback=fallback,
+        body = build_anthropic_request(
+            messages,
+            options,
+            default_model=self.model,
+            default_max_tokens=self.default_max_tokens,
+            extra_body=self.extra_body,
         )
-
-    async def _start(self, body: dict[str, Any], *, stream: bool) -> _Body:
-        """POST the request; the unread response of a 2xx answer, else the typed error."""
         body["stream"] = stream
-        try:
-            return await self._send(body)
-        except Exception as exc:
-            raise self._translate(exc) from exc
+        return body
 
-    async def get_response(
-        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
-    ) -> ChatResponse:
-        response = await self._start(self._request(messages, options), stream=False)
-        try:
-            raw = await response.aread()
-        except Exception as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await _close_uninterruptibly(response)
-        try:
-            message = json_loads(raw)
-        except ValueError as exc:
-            raise MalformedResponseError(
-                f"the upstream answer is not JSON ({exc})", provider=self.name
-            ) from exc
-        if not isinstance(message, dict):
-            raise MalformedResponseError(
-                "the upstream answer is not a JSON object", provider=self.name
-            )
-        if message.get("type") == "error":
-            raise self._error_event(message, after_output=False)
-        try:
-            return response_from_anthropic(message, provider=self.name)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise MalformedResponseError(
-                f"the upstream answer is not a Messages API message ({exc})", provider=self.name
-            ) from exc
+    def _read_answer(self, data: dict[str, Any]) -> ChatResponse:
+        if data.get("type") == "error":
+            raise in_band_error(data, provider=self.name, secrets=self._secrets, fallback=str(data))
+        return response_from_anthropic(data, provider=self.name)
 
-    async def get_streaming_response(  # type: ignore[override]
-        self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
-    ) -> AsyncIterator[ChatResponseUpdate]:
-        body = self._request(messages, options)
-        response = await self._start(body, stream=True)
-        state = _StreamState(self.name)
-        try:
-            events = _SSEReader(response.aiter_bytes())
-            while True:
-                try:
-                    event = await events.next()
-                except Exception as exc:
-                    raise self._translate(exc, in_stream=True, after_output=state.sent) from exc
-                if event is None:
-                    break
-                name, data = event
-                if name not in _STREAM_EVENTS:
-                    continue  # ping, and events this client does not know
-                if name == "error":  # its data is the error's JSON, or else its text
-                    try:
-                        error: Any = json_loads(data)
-                    except ValueError:
-                        error = data
-                    raise self._error_event(error, after_output=state.sent)
-                try:
-                    payload = json_loads(data)
-                except ValueError as exc:
-                    raise MalformedResponseError(
-                        f"the upstream sent an event that is not JSON ({exc})",
-                        provider=self.name,
-                        after_output=state.sent,
-                    ) from exc
-                if not isinstance(payload, dict):
-                    raise MalformedResponseError(
-                        "the upstream sent an event that is not a JSON object",
-                        provider=self.name,
-                        after_output=state.sent,
-                    )
-                try:
-                    update = state.update_for(payload)
-                except (ValueError, TypeError, AttributeError) as exc:
-                    raise MalformedResponseError(
-                        f"the upstream sent a malformed event ({exc})",
-                        provider=self.name,
-                        after_output=state.sent,
-                    ) from exc
-                if update is not None:
-                    state.sent = True
-                    yield update
-                if state.stopped:
-                    break
-            if state.finish is None:
-                raise TruncatedStreamError(
-                    "the stream ended without a stop_reason",
-                    provider=self.name,
-                    after_output=state.sent,
-                )
-        finally:
-            await _close_uninterruptibly(response)
+    def _translator(self) -> StreamTranslator:
+        return _StreamState(self.name, self._secrets)
 
 
 # The stream events read (as the SDK reads them); `ping` and unknown events are skipped.
@@ -787,14 +508,14 @@ _STREAM_EVENTS = frozenset(
 class _StreamState:
     """What a Messages API stream has said so far, and the update each event makes."""
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, secrets: tuple[str, ...]) -> None:
         self.provider = provider
+        self.secrets = secrets
         self.response_id: str | None = None
         self.model: str | None = None
         self.start_usage: Any = None
         self.finish: ChatFinishReason | str | None = None
-        self.stopped = False
-        self.sent = False  # whether an update was yielded (output committed)
+        self.ended = False  # message_stop arrived
         self.tool_index: dict[int, int] = {}  # block index -> tool call index
 
     def _update(self, contents: list[Content], **fields: Any) -> ChatResponseUpdate:
@@ -807,7 +528,29 @@ class _StreamState:
             **fields,
         )
 
-    def update_for(self, event: Any) -> ChatResponseUpdate | None:
+    @property
+    def finished(self) -> bool:
+        """Whether the answer is complete (a stop_reason arrived)."""
+        return self.finish is not None
+
+    def feed(self, name: str | None, data: str) -> ChatResponseUpdate | None:
+        """The update for one server-sent event (None for most)."""
+        if name not in _STREAM_EVENTS:
+            return None  # ping, and events this client does not know
+        if name == "error":  # its data is the error's JSON, or else its text
+            try:
+                error: Any = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                error = data
+            raise in_band_error(
+                error,
+                provider=self.provider,
+                secrets=self.secrets,
+                fallback=data,
+            )
+        event = orjson.loads(data)
+        if not isinstance(event, dict):
+            raise ValueError("the event is not a JSON object")
         kind = _get(event, "type")
         if kind == "message_start":
             message = _get(event, "message")
@@ -855,7 +598,7 @@ class _StreamState:
             self.finish = finish_reason_from_anthropic(reason)
             return self._update([], finish_reason=self.finish, usage=self._usage(event))
         if kind == "message_stop":
-            self.stopped = True
+            self.ended = True
             return None
         return None  # content_block_stop, ping, unknown events
 

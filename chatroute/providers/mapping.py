@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from chatroute.chat.types import (
     ChatFinishReason,
@@ -225,20 +225,6 @@ def messages_to_openai(
     for i, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] is {type(message).__name__}, not a ChatMessage")
-        contents = message.contents
-        if contents and message.role is not _TOOL and all(type(c) is TextContent for c in contents):
-            # The common message, text only: what the general path below gives for it.
-            texts = cast(list[TextContent], contents)
-            plain: dict[str, Any] = {
-                "role": message.role._value_,  # .value, without the enum property's calls
-                "content": texts[0].text if len(texts) == 1 else "".join(c.text for c in texts),
-            }
-            if message.author_name:
-                plain["name"] = message.author_name
-            if message.additional_properties:
-                plain.update(message.additional_properties)
-            out.append(plain)
-            continue
         text = "".join(c.text for c in message.contents if isinstance(c, TextContent))
         reasoning = "".join(c.text for c in message.contents if isinstance(c, TextReasoningContent))
         calls = [c for c in message.contents if isinstance(c, FunctionCallContent)]
@@ -593,102 +579,11 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _plain_envelope(data: dict[str, Any]) -> tuple[str | None, str | None, float | None] | None:
-    """The model, id and creation time of a decoded answer or chunk, as the general reading
-    gives them (`_str_or_none`, `_created`), when each is absent or of its plain type; None
-    when one is not (the general reading then decides)."""
-    model = data.get("model")
-    response_id = data.get("id")
-    created = data.get("created")
-    if (
-        (model is not None and type(model) is not str)
-        or (response_id is not None and type(response_id) is not str)
-        or (created is not None and type(created) is not int and type(created) is not float)
-    ):
-        return None
-    return model or None, response_id or None, None if created is None else float(created)
-
-
-# The message fields of the common answer read by `_plain_response`: the text, and fields
-# the general reading ignores or that are empty (a refusal, audio and calls that are null).
-_PLAIN_MESSAGE = frozenset(
-    {"role", "content", "refusal", "annotations", "audio", "function_call", "tool_calls"}
-)
-_PLAIN_NULLS = ("refusal", "audio", "function_call", "tool_calls")
-
-
-def _plain_response(data: dict[str, Any], provider: str | None) -> ChatResponse | None:
-    """The ChatResponse for the common decoded answer (a first choice whose message is an
-    assistant's text, with no name, reasoning, refusal or calls, and no logprobs), exactly
-    as the general reading gives it; None for any other answer."""
-    choices = data.get("choices")
-    if type(choices) is not list or not choices:
-        return None
-    choice = choices[0]
-    if type(choice) is not dict or choice.get("logprobs") is not None:
-        return None
-    message = choice.get("message")
-    if type(message) is not dict or not _PLAIN_MESSAGE.issuperset(message):
-        return None
-    for name in _PLAIN_NULLS:
-        if message.get(name) is not None:
-            return None
-    role = message.get("role")
-    text = message.get("content")
-    reason = choice.get("finish_reason")
-    envelope = _plain_envelope(data)
-    if (
-        envelope is None
-        or (role is not None and role != "assistant" and role != "")
-        or (text is not None and type(text) is not str)
-        or (reason is not None and type(reason) is not str)
-    ):
-        return None
-    model, response_id, created = envelope
-    raw_usage = data.get("usage")
-    usage = None
-    if raw_usage is not None:
-        if type(raw_usage) is not dict:
-            return None
-        if len(raw_usage) == 3 and _USAGE_TOTALS.issuperset(raw_usage):
-            prompt = raw_usage["prompt_tokens"]
-            completion = raw_usage["completion_tokens"]
-            total = raw_usage["total_tokens"]
-            if type(prompt) is not int or type(completion) is not int or type(total) is not int:
-                return None
-            usage = UsageDetails(prompt, completion, total, {})
-        else:
-            usage = usage_from_openai(raw_usage)
-    props: dict[str, Any] = {"provider": provider} if provider is not None else {}
-    fingerprint = data.get("system_fingerprint")
-    if fingerprint:
-        props["system_fingerprint"] = fingerprint
-    return ChatResponse(
-        messages=[ChatMessage(_ASSISTANT, contents=[TextContent(text)] if text else None)],
-        model_id=model,
-        finish_reason=None if reason is None else _FINISH.get(reason, reason),
-        usage=usage,
-        response_id=response_id,
-        created_at=created,
-        raw_representation=data,
-        additional_properties=props or None,
-    )
-
-
 def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
     """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
 
     Only the first choice is read. Raises ValueError when it is not a chat completion.
     """
-    if type(completion) is dict:
-        response = _plain_response(completion, provider)
-        if response is not None:
-            return response
-    return _read_response(completion, provider)
-
-
-def _read_response(completion: Any, provider: str | None) -> ChatResponse:
-    """`response_from_openai` for any answer (the general reading)."""
     data = _plain(completion)
     choice = _first_choice(data)
     if choice is None:
@@ -720,72 +615,12 @@ def _read_response(completion: Any, provider: str | None) -> ChatResponse:
     )
 
 
-# The delta fields of the common streamed chunk, read by `_plain_update`.
-_PLAIN_DELTA = frozenset({"role", "content"})
-
-
-def _plain_update(chunk: dict[str, Any], provider: str | None) -> ChatResponseUpdate | None:
-    """The update for the common decoded chunk (one choice whose delta has at most a known
-    role and string content; no finish reason, logprobs or usage), exactly as the general
-    reading gives it; None for any other chunk. Most chunks of a stream are this one."""
-    choices = chunk.get("choices")
-    if type(choices) is not list or len(choices) != 1:
-        return None
-    choice = choices[0]
-    if type(choice) is not dict:
-        return None
-    delta = choice.get("delta")
-    if (
-        type(delta) is not dict
-        or not _PLAIN_DELTA.issuperset(delta)
-        or choice.get("finish_reason") is not None
-        or choice.get("logprobs") is not None
-        or chunk.get("usage") is not None
-    ):
-        return None
-    role_name = delta.get("role")
-    role = None
-    if role_name is not None:
-        role = _ROLE_OF.get(role_name) if type(role_name) is str else None
-        if role is None:
-            return None
-    text = delta.get("content")
-    if text is None:
-        contents: list[Content] = []
-    elif type(text) is str:
-        contents = [TextContent(text)] if text else []
-    else:
-        return None
-    envelope = _plain_envelope(chunk)
-    if envelope is None:
-        return None
-    model, response_id, created = envelope
-    return ChatResponseUpdate(
-        role=role,
-        contents=contents,
-        model_id=model,
-        response_id=response_id,
-        created_at=created,
-        raw_representation=chunk,
-        additional_properties={"provider": provider} if provider is not None else None,
-    )
-
-
 def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> ChatResponseUpdate:
     """A ChatResponseUpdate from one streamed chunk (decoded JSON or SDK object).
 
     Only the first choice is read; a chunk without choices (usage, prompt filter results)
     gives an update with no contents. Raises ValueError on a malformed chunk.
     """
-    if type(chunk) is dict:
-        update = _plain_update(chunk, provider)
-        if update is not None:
-            return update
-    return _read_update(chunk, provider)
-
-
-def _read_update(chunk: Any, provider: str | None) -> ChatResponseUpdate:
-    """`update_from_openai_chunk` for any chunk (the general reading)."""
     data = _plain(chunk)
     choice = _first_choice(data)
     role: ChatRole | None = None

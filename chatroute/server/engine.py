@@ -190,11 +190,13 @@ def build_provider(
     name: str, settings: ProviderConfig, environ: Mapping[str, str]
 ) -> tuple[ChatClient, str, str | None]:
     """One provider client, its model name, and its API key (None when none is configured)."""
-    from chatroute.providers import OpenAIChatClient
+    from chatroute.providers.registry import build_from_config, provider_class
 
     base_url = settings.resolved_base_url(environ)
     model = settings.resolved_model(environ)
-    if model is None or (base_url is None and settings.type == "openai"):
+    if model is None or (
+        base_url is None and provider_class(settings.type).default_base_url is None
+    ):
         # checked at load time; guards direct use
         raise ValueError(f"providers.{name}: base_url and model are required")
     api_key: str | None = None
@@ -206,41 +208,7 @@ def build_provider(
                 name,
                 settings.api_key_env,
             )
-    timeouts = settings.timeouts
-    # What both provider types take: the endpoint, the key, transport limits and the body.
-    common: dict[str, Any] = {
-        "base_url": base_url,
-        "api_key": api_key,
-        "name": name,
-        "connect_timeout": timeouts.connect,
-        "read_timeout": timeouts.read,
-        "write_timeout": timeouts.write,
-        "pool_timeout": timeouts.pool,
-        "max_connections": settings.max_connections,
-        "default_headers": dict(settings.headers) or None,
-        "extra_body": dict(settings.extra_body) or None,
-        "context_window": settings.context_window,
-        "default_query": dict(settings.query) or None,
-    }
-    client: ChatClient
-    if settings.type == "anthropic":
-        from chatroute.providers.anthropic_messages import AnthropicChatClient
-
-        # Its per-attempt limits (attempt, first token, stall) come from the route chain's
-        # TimeoutChatClient, which wraps every provider without its own (_route_client).
-        client = AnthropicChatClient(
-            model, default_max_tokens=settings.default_max_tokens, **common
-        )
-    else:
-        client = OpenAIChatClient(
-            model,
-            request_timeout=timeouts.attempt,
-            first_token_timeout=timeouts.first_token,
-            stall_timeout=timeouts.stall,
-            max_tokens_param=settings.max_tokens_param,
-            api_key_header=settings.api_key_header,
-            **common,
-        )
+    client = build_from_config(name, settings, model=model, base_url=base_url, api_key=api_key)
     return client, model, api_key
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -10,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatroute.chat.client import ChatClient
+from chatroute.errors import classify_failure, is_cancelling
 from chatroute.failover import FailoverChatClient, FailoverChatClientAttempt
 from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
-from chatroute.providers.errors import classify
 from chatroute.router.context import RoutingContext
 
 __all__ = [
@@ -64,7 +63,7 @@ class AttemptRecord:
         """The failure class of the attempt's exception (`FailureKind` value), if it failed."""
         if self.attempt.exception is None:
             return None
-        return classify(self.attempt.exception).value
+        return classify_failure(self.attempt.exception).value
 
 
 @dataclass
@@ -132,11 +131,6 @@ def current_trace() -> RequestTrace | None:
     return ref() if ref is not None else None
 
 
-def _is_cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 class TraceRecorder(FailoverChatClient):
     """Mix into any `FailoverChatClient` subclass to report to the current `RequestTrace`.
 
@@ -197,7 +191,7 @@ def _record_attempt(
     forced: bool,
     waited: float,
 ) -> None:
-    caller_side = (attempt.exception is not None and _is_cancelling()) or (
+    caller_side = (attempt.exception is not None and is_cancelling()) or (
         trace.cancelled is not None and not attempt.response_completed
     )
     # Positional: a frozen dataclass takes its keyword arguments at twice the cost.

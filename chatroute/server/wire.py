@@ -28,6 +28,7 @@ from chatroute.chat.types import (
     TextReasoningContent,
     UriContent,
     UsageDetails,
+    carries_content,
 )
 from chatroute.providers.mapping import AUDIO_MEDIA_TYPES, OPENAI_EXTRA_FIELDS
 from chatroute.server.errors import APIError
@@ -667,19 +668,8 @@ def _new_id() -> str:
 _TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per call
 
 
-def has_content(update: ChatResponseUpdate) -> bool:
-    """Whether an update carries output: text, reasoning, a tool call, a refusal or a finish
-    reason."""
-    if update.finish_reason is not None:
-        return True
-    for content in update.contents:
-        if isinstance(content, _TEXTS):
-            if content.text:
-                return True
-        elif isinstance(content, FunctionCallContent):
-            return True
-    props = update.additional_properties
-    return bool(props and props.get("refusal"))
+# The commit rule's test, one definition for the providers and the service.
+has_content = carries_content
 
 
 class StreamEncoder:
