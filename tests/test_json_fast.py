@@ -1,6 +1,6 @@
-"""orjson on the hot path (`chatroute._json`) against the stdlib `json` it stands in for:
-`parse_json`, the provider's parsing and both encoders give the same values and the same
-errors as the stdlib-only code they replaced, for generated and hand-picked inputs."""
+"""orjson in the providers (`chatroute._json`) against the stdlib `json` it stands in for:
+the provider's parsing and its encoder give the same values and the same errors as the
+stdlib-only code they replaced, for generated and hand-picked inputs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import orjson
 import pydantic
 import pytest
 
@@ -31,15 +30,8 @@ from chatroute._json import (
 )
 from chatroute.providers._sdk_http import _json_default
 from chatroute.providers.openai_compat import OpenAIChatClient
-from chatroute.server import wire
-from chatroute.server.errors import APIError
-from chatroute.server.guard import NotJSON, parse_json, parse_json_stdlib
 
 # ------------------------------------------------------------- the stdlib-only code
-
-# `parse_json` before orjson: its stdlib path (test_server_guard.py checks that path's
-# own answers).
-reference_parse_json = parse_json_stdlib
 
 _WIRE = json.JSONEncoder(ensure_ascii=False)
 
@@ -103,14 +95,6 @@ def _exception(exc: BaseException) -> tuple[Any, ...]:
         getattr(exc, "lineno", None),
         getattr(exc, "colno", None),
     )
-
-
-def guard_outcome(result: tuple[Any, APIError | None]) -> tuple[Any, Any]:
-    data, error = result
-    shown = ("NotJSON", _exception(data.error)) if isinstance(data, NotJSON) else typed(data)
-    if error is None:
-        return shown, None
-    return shown, (error.status, error.body(), error.headers, type(error))
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -298,75 +282,6 @@ def _deep_cases() -> Iterator[tuple[bytes, int]]:
     yield b"[" * 50_000 + b"]" * 50_000, 2000
 
 
-# ------------------------------------------------------------------------ parse_json
-
-
-@pytest.mark.parametrize("offset", range(0, 400, 50))
-def test_parse_json_answers_as_the_stdlib_for_generated_bodies(offset: int) -> None:
-    for body in generated(50, offset):
-        for max_depth in _DEPTHS:
-            new = guard_outcome(parse_json(body, max_depth))
-            old = guard_outcome(reference_parse_json(body, max_depth))
-            assert new == old, (body, max_depth)
-
-
-@pytest.mark.parametrize("body", _HAND_PICKED)
-def test_parse_json_answers_as_the_stdlib_for_hand_picked_bodies(body: bytes) -> None:
-    for max_depth in _DEPTHS:
-        new = guard_outcome(parse_json(body, max_depth))
-        assert new == guard_outcome(reference_parse_json(body, max_depth)), max_depth
-
-
-@pytest.mark.parametrize(("body", "max_depth"), list(_deep_cases()))
-def test_parse_json_answers_as_the_stdlib_around_the_depth_limits(
-    body: bytes, max_depth: int
-) -> None:
-    new = guard_outcome(parse_json(body, max_depth))
-    assert new == guard_outcome(reference_parse_json(body, max_depth))
-
-
-def test_not_json_keeps_the_stdlib_error_for_the_endpoint() -> None:
-    data, error = parse_json(b'{"a": [1, 2,]}', 64)
-    assert error is None and isinstance(data, NotJSON)
-    assert type(data.error) is json.JSONDecodeError  # not orjson's subclass
-    assert (data.error.msg, data.error.pos) == ("Expecting value", 12)
-
-
-def test_nesting_past_the_stdlib_recursion_limit_is_refused_though_orjson_reads_it() -> None:
-    # orjson reads 1000 levels; the stdlib meets the recursion limit first, and the body
-    # has always been refused for that. A configured limit above it does not change that.
-    body = _nested(1000)
-    assert isinstance(orjson.loads(body), list)
-    assert reference_parse_json(body, 2000)[1] is not None
-    data, error = parse_json(body, 2000)
-    assert data is None and error is not None
-    assert error.message == "the JSON body nests deeper than 2000 levels"
-
-
-def test_typical_bodies_never_reach_the_stdlib(monkeypatch: pytest.MonkeyPatch) -> None:
-    def stdlib(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the stdlib parsed it")
-
-    monkeypatch.setattr(json, "loads", stdlib)
-    body = json.dumps(
-        {
-            "model": "auto",
-            "messages": [
-                {"role": "system", "content": 'Answer in JSON: {"a": [1, 2]}' * 200},
-                {"role": "user", "content": "caf\u00e9 \U0001f600 \u65e5\u672c"},
-            ],
-            "temperature": 0.7,
-            "max_tokens": 512,
-            "seed": 123456789012345678,
-        },
-        ensure_ascii=True,
-    ).encode()
-    assert body.count(b"[") + body.count(b"{") > NESTING_SAFE
-    data, error = parse_json(body, 64)
-    assert error is None and data["messages"][1]["content"] == "caf\u00e9 \U0001f600 \u65e5\u672c"
-    assert loads(body) == data and loads(body.decode()) == data
-
-
 # -------------------------------------------------------- the provider's json.loads
 
 
@@ -525,34 +440,6 @@ _ENCODER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("offset", range(0, 300, 50))
-def test_wire_encoding_reads_back_as_the_stdlib_encoding(offset: int) -> None:
-    for value in python_values(50, offset):
-        new = decoded(lambda v=value: wire._dumps(v))
-        assert new == decoded(lambda v=value: reference_wire(v)), value
-
-
-@pytest.mark.parametrize("value", _ENCODER_CASES, ids=range(len(_ENCODER_CASES)))
-def test_wire_encoding_reads_back_as_the_stdlib_encoding_for_odd_values(value: Any) -> None:
-    assert decoded(lambda: wire._dumps(value)) == decoded(lambda: reference_wire(value))
-
-
-def test_wire_keeps_writing_nan_and_infinity_as_the_stdlib_did() -> None:
-    # The stdlib writes NaN / Infinity (not JSON, but what clients have always had);
-    # orjson would write null, so such values go to the stdlib.
-    usage = {"prompt_tokens": math.nan, "completion_tokens": math.inf, "total_tokens": 1}
-    assert wire._dumps(usage) == reference_wire(usage)
-    assert b"NaN" in wire._dumps(usage) and b"Infinity" in wire._dumps(usage)
-    assert wire._sse({"x": -math.inf}) == b'data: {"x": -Infinity}\n\n'
-
-
-def test_wire_sse_events_and_completions_are_orjson_when_plain() -> None:
-    choice = {"index": 0, "delta": {"content": "h\u00e9"}, "finish_reason": None}
-    chunk = {"id": "c", "created": 1718000000, "choices": [choice]}
-    assert wire._sse(chunk) == b"data: " + orjson.dumps(chunk) + b"\n\n"
-    assert json.loads(wire._sse(chunk)[6:]) == chunk
-
-
 @pytest.fixture
 async def client() -> AsyncIterator[OpenAIChatClient]:
     provider = OpenAIChatClient("m", base_url="http://127.0.0.1:9/v1", api_key="sk-test")
@@ -606,94 +493,3 @@ def test_the_helper_imports_without_the_server_stack() -> None:
 
 # Answers and chunks whose values the encoders check themselves skip `_dumps`'s walk; what
 # they write must be what the walk would have let through or sent to the stdlib.
-def _responses() -> list[Any]:
-    from chatroute import (
-        ChatMessage,
-        ChatResponse,
-        ChatRole,
-        FunctionCallContent,
-        TextContent,
-        TextReasoningContent,
-        UsageDetails,
-    )
-
-    def answer(**fields: Any) -> Any:
-        message = fields.pop("message", ChatMessage(ChatRole.ASSISTANT, "h\u00e9 \n \x01"))
-        base: dict[str, Any] = {"model_id": "m", "response_id": "r", "created_at": 1.5}
-        return ChatResponse(messages=[message], **{**base, **fields})
-
-    usage = UsageDetails(1, 2, 3, cached_input_token_count=1, reasoning_token_count=0)
-    return [
-        answer(),
-        answer(usage=usage, finish_reason="stop"),
-        answer(usage=UsageDetails(math.nan, 2, 3)),
-        answer(usage=UsageDetails(2**70, 2, 3)),
-        answer(usage=UsageDetails(1.0, 2, 3)),
-        answer(usage=UsageDetails(1, 2, 3, reasoning_token_count=math.inf)),
-        answer(response_id=5),
-        answer(response_id=_Text("x")),
-        answer(model_id=_Colour.RED),
-        answer(created_at=2**70),
-        answer(additional_properties={"system_fingerprint": "fp"}),
-        answer(additional_properties={"system_fingerprint": _Colour.RED}),
-        answer(additional_properties={"logprobs": {"content": [{"logprob": -0.5}]}}),
-        answer(additional_properties={"logprobs": {"content": [{"logprob": math.nan}]}}),
-        answer(
-            message=ChatMessage(
-                ChatRole.ASSISTANT,
-                contents=[TextReasoningContent("think"), FunctionCallContent("c", "f", "{}")],
-            )
-        ),
-        answer(message=ChatMessage(ChatRole.ASSISTANT, contents=[TextContent("a")])),
-    ]
-
-
-@pytest.mark.parametrize("response", _responses(), ids=range(len(_responses())))
-def test_completion_bodies_are_what_the_walked_encoding_writes(
-    response: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    checked = outcome(lambda: wire.completion_body(response, model="x", created=7))
-    monkeypatch.setattr(wire, "dumps_checked", lambda obj: None)
-    assert checked == outcome(lambda: wire.completion_body(response, model="x", created=7))
-
-
-def _updates() -> list[Any]:
-    from chatroute import ChatResponseUpdate, ChatRole, FunctionCallContent, TextContent
-
-    def update(**fields: Any) -> Any:
-        base: dict[str, Any] = {"role": ChatRole.ASSISTANT, "contents": [TextContent("h\u00e9")]}
-        return ChatResponseUpdate(**{**base, **fields})
-
-    return [
-        update(),
-        update(model_id="m", response_id="r", finish_reason="stop"),
-        update(model_id=_Colour.RED),
-        update(response_id=3),
-        update(additional_properties={"refusal": "no"}),
-        update(additional_properties={"logprobs": {"content": [{"logprob": math.inf}]}}),
-        update(contents=[FunctionCallContent("c", _Colour.RED, "{}", 0)]),
-        update(finish_reason=_Colour.RED),
-    ]
-
-
-@pytest.mark.parametrize("update", _updates(), ids=range(len(_updates())))
-def test_stream_chunks_are_what_the_walked_encoding_writes(
-    update: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def encode() -> bytes:
-        encoder = wire.StreamEncoder(model="x", include_usage=False)
-        encoder.created = 7
-        encoder.response_id = "fixed" if update.response_id is None else None
-        return encoder.encode(update)
-
-    checked = outcome(encode)
-    monkeypatch.setattr(wire, "dumps_checked", lambda obj: None)
-    assert checked == outcome(encode)
-
-
-def test_the_usual_answer_and_chunk_skip_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
-    walked: list[Any] = []
-    monkeypatch.setattr(wire, "_dumps", lambda obj: walked.append(obj) or b"")
-    wire.completion_body(_responses()[1], model="x")
-    wire.StreamEncoder(model="x", include_usage=False).encode(_updates()[1])
-    assert walked == []

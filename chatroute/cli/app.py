@@ -99,7 +99,7 @@ def serve(
     import uvicorn
 
     from chatroute.server import create_app
-    from chatroute.server.protocol import HttpProtocol
+    from chatroute.server.connection import http_protocol
 
     settings = _config(config)
     handler = logging.StreamHandler()
@@ -114,8 +114,8 @@ def serve(
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
-        # chatroute's lean HTTP/1.1 protocol (httptools), in place of uvicorn's own.
-        http=HttpProtocol,
+        # uvicorn's httptools protocol, with a bounded request head (size and time).
+        http=http_protocol(settings.server.head_timeout),
         server_header=False,  # no `server: uvicorn` on every answer
         # uvicorn logs each request at info level; below that, skip the per-request call.
         access_log=settings.server.log_level in ("trace", "debug", "info"),
