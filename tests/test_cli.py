@@ -49,7 +49,7 @@ def config_file(
     default_embedder: Callable[[], EmbeddingGenerator],
 ) -> Path:
     # Every command builds an engine; lend them the session's model instead of reloading it.
-    monkeypatch.setattr("chatroute.server.engine.build_embedder", lambda config: default_embedder())
+    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
     path = tmp_path / "chatroute.yaml"
     path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
     return path
@@ -258,7 +258,7 @@ def test_check_shows_providers_routes_and_keys_without_loading_a_model(
     def no_model(config: Any) -> Any:
         raise AssertionError("check must not load the embedding model")
 
-    monkeypatch.setattr("chatroute.server.engine.build_embedder", no_model)
+    monkeypatch.setattr("chatroute.engine.build_embedder", no_model)
     monkeypatch.setenv("SET_KEY", "sk-never-printed-0123456789")
     monkeypatch.delenv("UNSET_KEY", raising=False)
     config = {

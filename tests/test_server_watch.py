@@ -28,7 +28,7 @@ from chatroute.server.deadlines import (
     watched,
 )
 from chatroute.server.responses import SSEResponse
-from chatroute.server.tracing import RequestTrace
+from chatroute.tracing import RequestTrace
 from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider
 
 

@@ -27,8 +27,8 @@ from chatroute.config import ChatrouteConfig, ConfigError, load_config
 
 if TYPE_CHECKING:
     from chatroute.cli.classify import BadLine, ClassifyReport
+    from chatroute.engine import Engine
     from chatroute.index import ProfileIndex
-    from chatroute.server.engine import Engine
 
 __all__ = ["app", "main"]
 
@@ -74,7 +74,7 @@ def _config(path: Path) -> ChatrouteConfig:
 
 def _run_engine(config: ChatrouteConfig, work: Callable[[Engine], Awaitable[T]]) -> T:
     """Build the engine, run `work(engine)` on a fresh event loop, close the engine."""
-    from chatroute.server.engine import build_engine
+    from chatroute.engine import build_engine
 
     async def runner() -> T:
         engine = build_engine(config)
@@ -338,7 +338,7 @@ async def _probe(
     """List each provider's models; report and return whether every provider answered."""
     import time
 
-    from chatroute.server.engine import build_provider
+    from chatroute.engine import build_provider
 
     async def one(name: str) -> tuple[str, bool, str]:
         client, model, _ = build_provider(name, settings.providers[name], env)

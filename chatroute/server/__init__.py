@@ -1,10 +1,10 @@
 """The HTTP service: an OpenAI-compatible routing gateway, route/classify APIs, health, metrics."""
 
+from chatroute.engine import Engine, build_engine
 from chatroute.server.app import Service, create_app
 from chatroute.server.connection import GuardedHttpProtocol, http_protocol
-from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError
-from chatroute.server.tracing import (
+from chatroute.tracing import (
     AttemptRecord,
     RecordingFailoverChatClient,
     RequestTrace,

@@ -15,15 +15,15 @@ from fastapi import FastAPI
 from chatroute import __version__
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.config import ChatrouteConfig
-from chatroute.server.engine import Engine, build_engine
+from chatroute.engine import Engine, build_engine
 from chatroute.server.errors import Redactor
 from chatroute.server.guard import Admission, RequestGuard
 from chatroute.server.handlers import install_error_handlers
 from chatroute.server.metrics import ServiceMetrics
 from chatroute.server.routes import install_routes
 from chatroute.server.service import Service
-from chatroute.server.tracing import TraceSink
 from chatroute.server.wire import ChatCompletionRequest
+from chatroute.tracing import TraceSink
 
 __all__ = ["ChatrouteApp", "Service", "create_app"]
 

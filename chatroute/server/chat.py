@@ -42,7 +42,6 @@ from chatroute.server.service import (
     named_route,
     ready_service,
 )
-from chatroute.server.tracing import RequestTrace, start_trace
 from chatroute.server.wire import (
     ChatCompletionRequest,
     StreamEncoder,
@@ -50,6 +49,7 @@ from chatroute.server.wire import (
     completion_body,
     has_content,
 )
+from chatroute.tracing import RequestTrace, start_trace
 
 __all__ = ["chat_completion", "chat_completions"]
 

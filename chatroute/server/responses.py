@@ -22,8 +22,8 @@ from chatroute.server.deadlines import (
 )
 from chatroute.server.errors import error_from_exception
 from chatroute.server.service import CLIENT_CLOSED, Service
-from chatroute.server.tracing import RequestTrace
 from chatroute.server.wire import StreamEncoder
+from chatroute.tracing import RequestTrace
 
 __all__ = ["RecordedResponse", "SSEResponse", "sse_body"]
 

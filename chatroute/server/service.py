@@ -12,12 +12,12 @@ from fastapi import Request
 from chatroute.chat.client import ChatClient
 from chatroute.chat.types import ChatMessage
 from chatroute.config import ChatrouteConfig
+from chatroute.engine import Engine
 from chatroute.router.decision import RouteDecision
-from chatroute.server.engine import Engine
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.metrics import ServiceMetrics
-from chatroute.server.tracing import RequestTrace, TraceSink, end_trace
 from chatroute.server.wire import WireMessage
+from chatroute.tracing import RequestTrace, TraceSink, end_trace
 
 __all__ = [
     "AUTO_MODEL",
