@@ -79,7 +79,7 @@ def _depth(value: Any) -> int:
     return 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(value=_json_values, ascii_only=st.booleans(), depth=st.integers(1, 6))
 def test_any_json_body_is_its_value_or_too_deep(value: Any, ascii_only: bool, depth: int) -> None:
     body = json.dumps(value, ensure_ascii=ascii_only).encode()

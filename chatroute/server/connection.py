@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Final
 
-import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 __all__ = ["MAX_HEAD_BYTES", "GuardedHttpProtocol", "http_protocol"]
@@ -15,7 +14,8 @@ MAX_HEAD_BYTES: Final = 64 * 1024
 
 
 class _HeadTooLarge(Exception):
-    """Raised from a parser callback when the head passes MAX_HEAD_BYTES."""
+    """Raised from a parser callback when the head passes MAX_HEAD_BYTES (uvicorn then
+    answers the parser error with `send_400_response`)."""
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -48,30 +48,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self._unset_keepalive_if_required()
         whole_read_in_head = self._in_head
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _HeadTooLarge):
-                self._refuse_large_head()
-            else:
-                raise
-            return
-        except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")
-            return
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return
+        super().data_received(data)
         if whole_read_in_head and self._in_head:  # httptools holds an unfinished value
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse_large_head()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers 400 to any parser error, the callback's `_HeadTooLarge` included.
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse_large_head()
+        else:
+            super().send_400_response(msg)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
