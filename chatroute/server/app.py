@@ -38,15 +38,16 @@ class ChatrouteApp(FastAPI):
     guard parsed it once), so its request schema is added to the OpenAPI document here."""
 
     def openapi(self) -> dict[str, Any]:
-        if self.openapi_schema is None:
-            document = super().openapi()
-            schema = ChatCompletionRequest.model_json_schema(
-                ref_template="#/components/schemas/{model}"
-            )
-            schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(schema.pop("$defs", {}))
-            schemas["ChatCompletionRequest"] = schema
-        return self.openapi_schema or document
+        if self.openapi_schema is not None:
+            return self.openapi_schema
+        document = super().openapi()  # FastAPI keeps it as `openapi_schema`
+        schema = ChatCompletionRequest.model_json_schema(
+            ref_template="#/components/schemas/{model}"
+        )
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(schema.pop("$defs", {}))
+        schemas["ChatCompletionRequest"] = schema
+        return document
 
 
 def create_app(
