@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import time
@@ -17,6 +18,8 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
                 return
+    if scope["path"] == "/slow-answer":
+        await asyncio.sleep(0.6)
     size = 0
     while True:  # read the whole body, and answer with its size
         message = await receive()
@@ -104,6 +107,14 @@ def test_a_head_not_complete_within_the_head_timeout_closes_the_connection(
         # A connection that never sends a byte is closed too.
         with _connect(url) as sock:
             assert _read_until_closed(sock) == b""
+
+        # A head begun while the answer before it is on its way is not cut off by that
+        # wait: the answer arrives whole, then the unfinished head's own time runs out.
+        with _connect(url) as sock:
+            sock.sendall(b"GET /slow-answer HTTP/1.1\r\nhost: x\r\n\r\nGET /next HTTP/1.1\r\n")
+            data = _read_until_closed(sock)
+            assert data.startswith(b"HTTP/1.1 200 OK") and data.endswith(b'"size":0}')
+            assert data.count(b"HTTP/1.1 ") == 1
 
         # A head sent in time is answered, and the wait between requests is not a head's.
         with _connect(url) as sock:

@@ -110,9 +110,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _head_expired(self) -> None:
         self._head_timer = None
-        if self.flow is not None and self.flow.read_paused:
-            # Reading stopped for back-pressure (a request is being answered): the rest of
-            # the head cannot arrive yet, and its wait is not the caller's doing.
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if answering or (self.flow is not None and self.flow.read_paused):
+            # A pipelined head begun while the request before it is answered (or while
+            # reading is paused for it): its wait is not the caller's doing yet.
             self._arm_head_timer()
         elif not self.transport.is_closing():
             self.logger.info("Request head not complete within %g s.", self.head_timeout)
