@@ -15,15 +15,13 @@ size of the last-level cache (cold):
 1. parse the request body (`parse_json`, the admission's JSON parse);
 2. validate it (`ChatCompletionRequest`, pydantic);
 3. convert it to chat types (`to_chat_messages`, `to_chat_options`);
-4. build and encode the upstream request (`build_request`, `dumps_plain`);
-5. parse the upstream's answer (`chatroute._json.loads`);
+4. build and encode the upstream request (`build_request`, `orjson.dumps`);
+5. parse the upstream's answer (`orjson.loads`);
 6. map it to a `ChatResponse` (`response_from_openai`);
 7. encode the reply (`completion_body`);
 
 then all seven in a row after one eviction (later steps find the code the earlier ones
-brought back); the plain reading the chat endpoint does instead of steps 2 and 3 for a
-request with only the common fields (`plain_chat_call`), alone and in the row in their
-place; and a timed call that does nothing. The result goes to the `cold-path`
+brought back), and a timed call that does nothing. The result goes to the `cold-path`
 section of BENCHMARKS.md.
 """
 
@@ -39,14 +37,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import orjson
+
 from bench._common import REPO, command, machine, table, write_section
-from chatroute._json import dumps_plain, loads
 from chatroute.providers.mapping import build_request, response_from_openai
 from chatroute.server.guard import parse_json
 from chatroute.server.wire import (
     ChatCompletionRequest,
     completion_body,
-    plain_chat_call,
     to_chat_messages,
     to_chat_options,
 )
@@ -62,7 +60,7 @@ ANSWER = (
     b'"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":8,'
     b'"total_tokens":20}}'
 )
-_VALIDATE = ChatCompletionRequest.__pydantic_validator__.validate_python
+_VALIDATE = ChatCompletionRequest.model_validate
 # The single steps come first in `steps()`, then all of them in a row, then a no-op.
 _STEPS = 7
 
@@ -95,12 +93,11 @@ class Evictor:
 
 def steps() -> list[tuple[str, Callable[[], Any]]]:
     """The steps, each a call on inputs made ahead (as the step before would hand them)."""
-    data, problem = parse_json(REQUEST, 64)
-    assert problem is None
+    data = parse_json(REQUEST, 64)
     request = _VALIDATE(data)
     messages = to_chat_messages(request.messages)
     options = to_chat_options(request)
-    answer = loads(ANSWER)
+    answer = orjson.loads(ANSWER)
     response = response_from_openai(answer, provider="fixed")
 
     def to_chat() -> None:
@@ -108,29 +105,14 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         to_chat_options(request)
 
     def upstream_request() -> None:
-        dumps_plain(build_request(messages, options, default_model="fixed-model", stream=False))
-
-    def plain(data: Any) -> Any:
-        call = plain_chat_call(data, max_messages=256, max_chars=32_000)
-        assert call is not None
-        return call
+        orjson.dumps(build_request(messages, options, default_model="fixed-model", stream=False))
 
     def whole() -> None:
-        data, _ = parse_json(REQUEST, 64)
-        request = _VALIDATE(data)
+        request = _VALIDATE(parse_json(REQUEST, 64))
         messages = to_chat_messages(request.messages)
         options = to_chat_options(request)
-        dumps_plain(build_request(messages, options, default_model="fixed-model", stream=False))
-        response = response_from_openai(loads(ANSWER), provider="fixed")
-        completion_body(response, model="fixed-model")
-
-    def whole_plain() -> None:
-        data, _ = parse_json(REQUEST, 64)
-        call = plain(data)
-        dumps_plain(
-            build_request(call.messages, call.options, default_model="fixed-model", stream=False)
-        )
-        response = response_from_openai(loads(ANSWER), provider="fixed")
+        orjson.dumps(build_request(messages, options, default_model="fixed-model", stream=False))
+        response = response_from_openai(orjson.loads(ANSWER), provider="fixed")
         completion_body(response, model="fixed-model")
 
     return [
@@ -138,12 +120,10 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         ("2. validate it (pydantic)", lambda: _VALIDATE(data)),
         ("3. convert it to chat types", to_chat),
         ("4. build and encode the upstream request", upstream_request),
-        ("5. parse the upstream answer", lambda: loads(ANSWER)),
+        ("5. parse the upstream answer", lambda: orjson.loads(ANSWER)),
         ("6. map it to a ChatResponse", lambda: response_from_openai(answer, provider="fixed")),
         ("7. encode the reply", lambda: completion_body(response, model="fixed-model")),
         ("1-7 in a row", whole),
-        ("2-3 read plainly instead (plain_chat_call)", lambda: plain(data)),
-        ("1-7 in a row, 2-3 read plainly", whole_plain),
         ("a timed call that does nothing", lambda: None),
     ]
 
@@ -176,7 +156,6 @@ def run(args: argparse.Namespace) -> str:
         _STEPS, ["sum of 1-7 timed apart", f"{warm_sum * 1e6:.1f}", f"{cold_sum * 1e6:.1f}", ""]
     )
     _, whole_warm, whole_cold = measured[_STEPS]  # 1-7 in a row
-    _, plain_warm, plain_cold = measured[_STEPS + 2]  # the same, 2-3 read plainly
     return "\n".join(
         [
             "## Cold and warm cost of the chat path's own steps (bench/cold_path.py)",
@@ -188,15 +167,13 @@ def run(args: argparse.Namespace) -> str:
             table(["step", "warm µs", "cold µs", "cold / warm"], rows),
             "",
             f"With the caches cold, the seven steps in a row took {whole_cold * 1e6:.0f} µs "
-            f"against {whole_warm * 1e6:.0f} µs warm ({whole_cold / whole_warm:.1f} times); "
-            f"with the request read plainly, {plain_cold * 1e6:.0f} µs cold and "
-            f"{plain_warm * 1e6:.0f} µs warm. "
+            f"against {whole_warm * 1e6:.0f} µs warm ({whole_cold / whole_warm:.1f} times). "
             "At concurrency 1 the upstream's latency separates the two halves of every "
             "call, and on a machine whose caches do not keep an idle process's lines "
             "for that long (a shared or virtual one), each half starts cold: there, "
             "the proxy overhead is set more by how much code and data a call touches "
             "than by how many instructions it runs. These steps are part of that "
-            "overhead; the HTTP protocol, the provider's connection pool, routing, "
+            "overhead; the HTTP server, the provider's transport, routing, "
             "failover and metrics are the rest (section a. of the service bench measures "
             "the whole).",
         ]

@@ -97,9 +97,9 @@ SERVE = (
     "import sys, uvicorn\n"
     "from chatroute.config import load_config\n"
     "from chatroute.server import create_app\n"
-    "from chatroute.server.protocol import HttpProtocol\n"
+    "from chatroute.server.connection import http_protocol\n"
     "uvicorn.run(create_app(load_config(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]),"
-    " log_level='error', timeout_keep_alive=30, backlog=4096, http=HttpProtocol)\n"
+    " log_level='error', timeout_keep_alive=30, backlog=4096, http=http_protocol())\n"
 )
 
 

@@ -12,17 +12,14 @@ stream, chunk by chunk), each one layer heavier than the one before:
 1. `asyncio` streams on uvloop on both sides: a hand-written HTTP/1.1 relay with one
    upstream connection (non-streaming only): the loop and the kernel, no framework.
 2. uvicorn (uvloop, httptools) serving a plain ASGI callable, same upstream side as 1.
-3. uvicorn + plain ASGI, posting on chatroute's provider connection pool
-   (`chatroute.providers._h1.H1Pool`), on uvicorn's own httptools protocol.
-4. as 3, on chatroute's own HTTP/1.1 protocol (`chatroute.server.protocol.HttpProtocol`,
-   in place of uvicorn's: a lean ASGI connection whose response heads leave in the same
-   write as their bodies): the stack chatroute's chat endpoint runs on (`_ChatEndpoint`
-   in front of FastAPI, providers on their own pool).
-5. as 3, but posting with one pooled aiohttp session (what chatroute's providers used
-   before they had their own pool).
-6. uvicorn + a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of
-   an ordinary FastAPI proxy endpoint.
-7. as 6, but posting through the openai SDK's httpx client on its aiohttp transport
+3. uvicorn + plain ASGI, posting with one pooled aiohttp session (the transport
+   chatroute's providers use).
+4. as 3, on the HTTP protocol `chatroute serve` runs (`GuardedHttpProtocol`: uvicorn's
+   httptools protocol with the request head's size and time limits), as 5 and 6 are.
+5. a FastAPI route (`Request.body()`, `Response`), aiohttp session: the stack of an
+   ordinary FastAPI proxy endpoint, which chatroute's chat endpoint is (the floor relay of
+   `bench/service_bench.py`).
+6. as 5, but posting through the openai SDK's httpx client on its aiohttp transport
    (`openai.DefaultAioHttpClient`, a streamed `send`).
 
 No validation, routing, failover, timeouts, metrics or error handling in any of them. A
@@ -91,44 +88,6 @@ class RawUpstream:
         )
         head = await self.reader.readuntil(b"\r\n\r\n")
         return await self.reader.readexactly(content_length(head))
-
-
-class PoolUpstream:
-    def __init__(self):
-        self.pool = None
-        self.headers = tuple((k.encode(), v.encode()) for k, v in HEADERS.items())
-
-    def _pool(self):
-        import ssl
-
-        from chatroute.providers._h1 import H1Pool
-
-        if self.pool is None:
-            self.pool = H1Pool(
-                URL,
-                max_connections=100,
-                keepalive_expiry=30.0,
-                ssl_context=ssl.create_default_context(),
-                connect_timeout=5.0,
-                read_timeout=300.0,
-                pool_timeout=10.0,
-            )
-        return self.pool
-
-    async def post(self, body):
-        answer = await self._pool().post(self.headers, body)
-        try:
-            return await answer.aread()
-        finally:
-            await answer.aclose()
-
-    async def stream(self, body):
-        answer = await self._pool().post(self.headers, body)
-        try:
-            async for chunk in answer.aiter_bytes():
-                yield chunk
-        finally:
-            await answer.aclose()
 
 
 class AiohttpUpstream:
@@ -286,30 +245,29 @@ if RUNG == "1":
 else:
     import uvicorn
 
-    from chatroute.server.protocol import HttpProtocol
+    from chatroute.server.connection import http_protocol
 
     app = {
         "2": lambda: plain_asgi(RawUpstream()),
-        "3": lambda: plain_asgi(PoolUpstream()),
-        "4": lambda: plain_asgi(PoolUpstream()),
-        "5": lambda: plain_asgi(AiohttpUpstream()),
-        "6": lambda: fastapi_app(AiohttpUpstream()),
-        "7": lambda: fastapi_app(SdkHttpUpstream()),
+        "3": lambda: plain_asgi(AiohttpUpstream()),
+        "4": lambda: plain_asgi(AiohttpUpstream()),
+        "5": lambda: fastapi_app(AiohttpUpstream()),
+        "6": lambda: fastapi_app(SdkHttpUpstream()),
     }[RUNG]()
-    # Rung 4 runs on the HTTP protocol `chatroute serve` uses; the others on uvicorn's own.
-    http = HttpProtocol if RUNG == "4" else "httptools"
+    # From rung 4 on, the HTTP protocol `chatroute serve` uses; below, uvicorn's own.
+    http = http_protocol() if RUNG in ("4", "5", "6") else "httptools"
     uvicorn.run(app, host="127.0.0.1", port=PORT, log_level="warning", access_log=False, http=http)
 '''
 
 RUNGS = [
     ("1", "asyncio streams relay (uvloop), raw upstream connection", False),
     ("2", "uvicorn + plain ASGI, raw upstream connection", False),
-    ("3", "uvicorn + plain ASGI, chatroute's provider pool (H1Pool)", True),
-    ("4", "as 3, on chatroute's own HTTP/1.1 protocol (HttpProtocol)", True),
-    ("5", "uvicorn + plain ASGI, aiohttp session", True),
-    ("6", "uvicorn + FastAPI route, aiohttp session", True),
-    ("7", "uvicorn + FastAPI route, SDK httpx client on aiohttp", True),
+    ("3", "uvicorn + plain ASGI, aiohttp session", True),
+    ("4", "as 3, on chatroute's guarded protocol (GuardedHttpProtocol)", True),
+    ("5", "as 4, a FastAPI route, aiohttp session", True),
+    ("6", "as 5, SDK httpx client on aiohttp", True),
 ]
+FLOOR_RUNG = "5"  # the stack chatroute's chat endpoint runs on, with no chatroute code
 
 
 def start_relay(stack: ExitStack, rung: str, upstream_port: int, port: int, work: Path) -> int:

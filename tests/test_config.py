@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from chatroute.chat import ChatClient, ChatOptions, ConfigureOptionsChatClient
+from chatroute.chat.types import ChatMessage
 from chatroute.config import ConfigError, load_config, parse_config
+from chatroute.engine import ROUTING_POLICIES, load_thresholds
+from chatroute.router import RouteDecision, Router
 from chatroute.server import RecordingFailoverChatClient, build_engine
-from chatroute.server.engine import load_thresholds
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chatroute.yaml"
 
@@ -207,6 +209,47 @@ def test_engine_builds_chains_wrappers_and_router() -> None:
         assert [engine.route_name(c) for c in engine.router.clients] == ["general", "code"]
     finally:
         asyncio.run(engine.aclose())
+
+
+class _FirstRoute:
+    """A routing policy in one class: every request goes to the first route."""
+
+    def __init__(self, engine: Any, profile_index: Any) -> None:
+        self.clients = tuple(engine.routes.values())
+        self.default_client = self.clients[0]
+        self.closed = False
+
+    async def route(self, messages: Any) -> RouteDecision:
+        first = self.clients[0]
+        return RouteDecision(first, 1.0, {first: 1.0}, is_default=False, winner=first)
+
+    async def route_batch(self, queries: Any) -> list[RouteDecision]:
+        return [await self.route([]) for _ in queries]
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_routing_policy_is_chosen_by_the_config_and_unknown_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = base()
+    data["routing"]["policy"] = "first"
+    config = parse_config(data, environ={})
+    with pytest.raises(ConfigError) as caught:
+        build_engine(config, environ={}, embedder=_NoEmbedder())
+    assert "routing.policy" in str(caught.value) and "semantic" in str(caught.value)
+
+    monkeypatch.setitem(ROUTING_POLICIES, "first", _FirstRoute)
+    engine = build_engine(config, environ={}, embedder=_NoEmbedder())
+    try:
+        assert isinstance(engine.router, _FirstRoute) and isinstance(engine.router, Router)
+        decision = asyncio.run(engine.decide([ChatMessage("user", "fix this bug")]))
+        assert engine.route_name(decision.client) == "code"
+        assert engine.describe(decision)["route"] == "code"
+    finally:
+        asyncio.run(engine.aclose())
+    assert parse_config(base(), environ={}).routing.policy == "semantic"
 
 
 def test_thresholds_file_is_checked(tmp_path: Path) -> None:

@@ -232,13 +232,13 @@ async def test_disconnect_during_a_retry_after_wait_makes_no_new_attempt(
     stack: ServiceStack, stream: bool
 ) -> None:
     up = stack.upstreams["primary"]
-    up.script(RateLimited(retry_after=1.5), Ok("too late"))
+    up.script(RateLimited(retry_after=1), Ok("too late"))
     stack.upstreams["fallback"].default = RateLimited(retry_after=None)
     caller = await RawCaller.post(stack, chat_body("chain", stream))
-    await stack.upstreams["fallback"].await_requests(1)  # both tried; now waiting 1.5 s
-    await asyncio.sleep(0.2)
+    await stack.upstreams["fallback"].await_requests(1)  # both tried; now waiting 1 s
+    await asyncio.sleep(0.1)
     await caller.leave()
-    await asyncio.sleep(1.5 + SETTLE)  # past the Retry-After
+    await asyncio.sleep(1 + SETTLE)  # past the Retry-After
     assert stack.attempts() == {"primary": 1, "fallback": 1}
     trace = (await asyncio.to_thread(stack.wait_traces, 1))[0]
     assert trace.cancelled == "disconnect" and trace.status == 499

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from chatroute.router.context import RoutingContext
-from chatroute.server.tracing import RequestTrace
+from chatroute.tracing import RequestTrace
 from tests.conftest import ServiceStack
 from tests.fakes import (
     Behaviour,

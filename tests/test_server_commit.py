@@ -21,7 +21,7 @@ from chatroute.chat import ChatMessage, ChatOptions, ChatResponseUpdate, ChatRol
 from chatroute.config import parse_config
 from chatroute.providers import StreamInterruptedError
 from chatroute.server import build_engine, create_app
-from chatroute.server.tracing import RequestTrace
+from chatroute.tracing import RequestTrace
 from tests.test_fault_matrix import events_of, sample_of
 from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider, upstream_error
 
@@ -136,7 +136,7 @@ def test_a_failure_preparing_the_stream_after_its_first_content_closes_the_route
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("encoder unavailable")
 
-    monkeypatch.setattr("chatroute.server.app.StreamEncoder", broken)
+    monkeypatch.setattr("chatroute.server.chat.StreamEncoder", broken)
     strong = OneChunkThenSilence("strong")
     closed_when_recorded: list[bool] = []
     with stack(strong, lambda: closed_when_recorded.append(strong.stream_closed)) as s:

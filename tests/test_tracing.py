@@ -8,7 +8,7 @@ import pytest
 
 from chatroute.errors import ProviderServerError
 from chatroute.failover.health import HealthAwareFailoverChatClient
-from chatroute.server.tracing import (
+from chatroute.tracing import (
     RecordingFailoverChatClient,
     RequestTrace,
     TraceRecorder,

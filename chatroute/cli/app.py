@@ -27,8 +27,8 @@ from chatroute.config import ChatrouteConfig, ConfigError, load_config
 
 if TYPE_CHECKING:
     from chatroute.cli.classify import BadLine, ClassifyReport
+    from chatroute.engine import Engine
     from chatroute.index import ProfileIndex
-    from chatroute.server.engine import Engine
 
 __all__ = ["app", "main"]
 
@@ -74,7 +74,7 @@ def _config(path: Path) -> ChatrouteConfig:
 
 def _run_engine(config: ChatrouteConfig, work: Callable[[Engine], Awaitable[T]]) -> T:
     """Build the engine, run `work(engine)` on a fresh event loop, close the engine."""
-    from chatroute.server.engine import build_engine
+    from chatroute.engine import build_engine
 
     async def runner() -> T:
         engine = build_engine(config)
@@ -99,7 +99,7 @@ def serve(
     import uvicorn
 
     from chatroute.server import create_app
-    from chatroute.server.protocol import HttpProtocol
+    from chatroute.server.connection import http_protocol
 
     settings = _config(config)
     handler = logging.StreamHandler()
@@ -114,8 +114,8 @@ def serve(
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
-        # chatroute's lean HTTP/1.1 protocol (httptools), in place of uvicorn's own.
-        http=HttpProtocol,
+        # uvicorn's httptools protocol, with a bounded request head (size and time).
+        http=http_protocol(settings.server.head_timeout),
         server_header=False,  # no `server: uvicorn` on every answer
         # uvicorn logs each request at info level; below that, skip the per-request call.
         access_log=settings.server.log_level in ("trace", "debug", "info"),
@@ -338,7 +338,7 @@ async def _probe(
     """List each provider's models; report and return whether every provider answered."""
     import time
 
-    from chatroute.server.engine import build_provider
+    from chatroute.engine import build_provider
 
     async def one(name: str) -> tuple[str, bool, str]:
         client, model, _ = build_provider(name, settings.providers[name], env)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from chatroute.server.engine import Engine
+from chatroute.engine import Engine
 from chatroute.server.errors import APIError
 from chatroute.server.wire import WireMessage, query_text, to_chat_messages
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from chatroute.cli.classify import BadLine, parse_input_line
+from chatroute.engine import Engine
 from chatroute.router.calibration import CalibrationResult, ProfileOverlapWarning, calibrate
-from chatroute.server.engine import Engine
+from chatroute.router.semantic import SemanticRoutingChatClient
 
 __all__ = ["THRESHOLDS_FORMAT", "fit_file", "read_labelled", "thresholds_document"]
 
@@ -60,14 +61,15 @@ async def fit_file(
     on_bad_line: Callable[[BadLine], None] | None = None,
 ) -> tuple[CalibrationResult, list[str]]:
     """Fit thresholds on a labelled file; returns the result and the calibration warnings."""
+    router = engine.router
+    if not isinstance(router, SemanticRoutingChatClient):
+        raise ValueError("fitting thresholds needs the semantic routing policy")
     examples = read_labelled(source, engine.routes, on_bad_line)
     if not examples:
         raise ValueError(f"{source} holds no usable labelled examples")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileOverlapWarning)
-        result = await calibrate(
-            engine.router, examples, engine.routes, no_route_share=no_route_share
-        )
+        result = await calibrate(router, examples, engine.routes, no_route_share=no_route_share)
     return result, [str(w.message) for w in caught]
 
 

@@ -13,6 +13,7 @@ from chatroute.router.calibration import (
 )
 from chatroute.router.context import RoutingContext
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
+from chatroute.router.policy import Router
 from chatroute.router.semantic import SemanticRoutingChatClient
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ProfileOverlapWarning",
     "RouteDecision",
     "RouteMatch",
+    "Router",
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",

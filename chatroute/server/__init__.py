@@ -1,10 +1,10 @@
 """The HTTP service: an OpenAI-compatible routing gateway, route/classify APIs, health, metrics."""
 
+from chatroute.engine import Engine, build_engine
 from chatroute.server.app import Service, create_app
-from chatroute.server.engine import Engine, build_engine
+from chatroute.server.connection import GuardedHttpProtocol, http_protocol
 from chatroute.server.errors import APIError
-from chatroute.server.protocol import HttpProtocol, connection_of
-from chatroute.server.tracing import (
+from chatroute.tracing import (
     AttemptRecord,
     RecordingFailoverChatClient,
     RequestTrace,
@@ -15,12 +15,12 @@ __all__ = [
     "APIError",
     "AttemptRecord",
     "Engine",
-    "HttpProtocol",
+    "GuardedHttpProtocol",
     "RecordingFailoverChatClient",
     "RequestTrace",
     "Service",
     "TraceRecorder",
     "build_engine",
-    "connection_of",
     "create_app",
+    "http_protocol",
 ]

@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
-import math
-import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chatroute._json import UNKNOWN, loads_counted
-from chatroute._timer import timeout
 from chatroute.server.errors import APIError
-from chatroute.server.protocol import connection_of
 
-__all__ = [
-    "Admission",
-    "Admitted",
-    "NotJSON",
-    "RequestGuard",
-    "parse_json",
-    "parse_json_stdlib",
-    "send_error",
-]
+__all__ = ["PARSED_BODY", "Admission", "RequestGuard", "is_json", "parse_json", "send_error"]
+
+PARSED_BODY: Final = "chatroute.json"
+"""The scope key under which the guard leaves a `/v1` JSON body it parsed (read it once)."""
 
 
 async def send_error(send: Send, error: APIError) -> None:
     """Answer an APIError directly over ASGI."""
-    body = json.dumps(error.body()).encode()
+    body = orjson.dumps(error.body())
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -43,149 +34,74 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class _ConstantRefused(ValueError):
-    pass
+def is_json(scope: Scope) -> bool:
+    """Whether the request says its body is JSON (`application/json` or `application/*+json`),
+    as FastAPI decides it; no content type is not JSON (FastAPI's strict default)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            media: bytes = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or (
+                media.startswith(b"application/") and media.endswith(b"+json")
+            )
+    return False
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONSTANTS = (b"NaN", b"-Infinity", b"Infinity")
 
 
-def _reject_constant(name: str) -> Any:
-    raise _ConstantRefused(f"the body contains {name}, which is not valid JSON")
+def parse_json(body: bytes, max_depth: int) -> Any:
+    """The parsed body; an APIError (400) for a body that is not JSON, or is JSON the
+    service must not take: bytes that are not UTF-8, unpaired UTF-16 surrogates
+    (`"\\ud800"`: they cannot be encoded to send upstream), `NaN` / `Infinity`, numbers
+    too large for a float, and nesting deeper than `max_depth` arrays and objects.
 
-
-class NotJSON:
-    """What `parse_json` returns for a body that is not JSON at all (`error` says why: a
-    `json.JSONDecodeError`, or the `ValueError` of a number too long to convert)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: ValueError) -> None:
-        self.error = error
-
-
-def parse_json(body: bytes, max_depth: int) -> tuple[Any, APIError | None]:
-    """The parsed body (a `NotJSON` when it is not JSON at all, which the endpoint explains
-    in its own terms) and the error for a JSON body the app must not see, or None.
-
-    Refused: bytes that are not UTF-8, `NaN` / `Infinity` (and numbers too large for a
-    float, which would become one), nesting deeper than `max_depth` arrays and objects,
-    and strings holding unpaired UTF-16 surrogates (`"\\ud800"`), which cannot be
-    encoded to send upstream.
-
-    Most bodies are parsed by orjson (`loads_counted`), which gives the stdlib's value and
-    refuses all of the above but the nesting; the stdlib parses the rest, as it always did,
-    for its own value or error.
+    orjson refuses all of those but the nesting (its own limit is 1024 levels); the
+    message names what it refused and where.
     """
-    data, openers = loads_counted(body)
-    if data is not UNKNOWN:
-        # Nesting cannot exceed the count of `[` and `{` bytes (most bodies need no walk);
-        # there is no NaN, overflowed float or unpaired surrogate to look for.
-        if openers > max_depth:
-            problem = _first_problem(data, max_depth, strings=False, floats=False)
-            if problem is not None:
-                return None, problem
-        return data, None
-    return parse_json_stdlib(body, max_depth, openers)
-
-
-def parse_json_stdlib(
-    body: bytes, max_depth: int, openers: int | None = None
-) -> tuple[Any, APIError | None]:
-    """`parse_json` on the standard library alone: the answer the orjson path must give.
-
-    `openers` is the count of `[` and `{` bytes in `body` when the caller has it.
-    """
-    if openers is None:
-        openers = body.count(b"[") + body.count(b"{")
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, APIError(
-            400, f"the body is not valid UTF-8 (at byte {exc.start})", code="invalid_encoding"
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _refused(body, exc) from None
+    # Nesting cannot exceed the count of `[` and `{` bytes: most bodies need no walk.
+    if body.count(b"[") + body.count(b"{") > max_depth and _depth_over(data, max_depth):
+        raise _too_deep(max_depth)
+    return data
+
+
+def _refused(body: bytes, exc: orjson.JSONDecodeError) -> APIError:
+    reason = exc.msg
+    if "UTF-8" in reason:
+        return APIError(400, "the body is not valid UTF-8", code="invalid_encoding")
+    if "surrogate" in reason:
+        return APIError(
+            400, "the body contains an unpaired UTF-16 surrogate escape", code="invalid_encoding"
         )
-    overflowed = False
-
-    def parse_float(literal: str) -> float:
-        nonlocal overflowed
-        value = float(literal)
-        if math.isinf(value):
-            overflowed = True
-        return value
-
-    try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=parse_float)
-    except _ConstantRefused as exc:
-        return None, APIError(400, str(exc), code="invalid_json")
-    except RecursionError:
-        return None, _too_deep(max_depth)
-    except ValueError as exc:
-        return NotJSON(exc), None
-    # Cheap bounds first: an unpaired surrogate can only come from a `\u` escape (UTF-8
-    # cannot encode one), and nesting cannot exceed the count of `[` and `{` bytes. Most
-    # bodies need no walk at all.
-    strings = b"\\u" in body
-    deep = openers > max_depth
-    if strings or deep or overflowed:
-        problem = _first_problem(data, max_depth, strings=strings, floats=overflowed)
-        if problem is not None:
-            return None, problem
-    return data, None
+    if "depth limit" in reason:
+        return _too_deep(1024)
+    if "infinity" in reason:
+        return APIError(400, "the body contains a number too large for JSON", code="invalid_json")
+    for constant in _CONSTANTS:  # where orjson stopped, or just after the sign
+        if body.startswith(constant, exc.pos) or body.startswith(constant, exc.pos - 1):
+            text = constant.decode()
+            return APIError(
+                400, f"the body contains {text}, which is not valid JSON", code="invalid_json"
+            )
+    return APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json")
 
 
-def _first_problem(data: Any, max_depth: int, *, strings: bool, floats: bool) -> APIError | None:
-    """The first problem a depth-first walk of `data` meets; strings and floats are
-    checked only when asked (skipping leaves keeps the order the others are met in)."""
-    leaves: tuple[type, ...] = ()
-    if strings:
-        leaves += (str,)
-    if floats:
-        leaves += (float,)
-    kinds = (dict, list, *leaves)
-    stack: list[tuple[Any, int]] = [(data, 1)]
+def _depth_over(data: Any, max_depth: int) -> bool:
+    stack: list[tuple[Any, int]] = [(data, 1)] if isinstance(data, dict | list) else []
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict):
-            if depth > max_depth:
-                return _too_deep(max_depth)
-            for key, item in value.items():
-                if strings and _SURROGATE.search(key):
-                    return _bad_surrogate()
-                if isinstance(item, kinds):
-                    stack.append((item, depth + 1))
-        elif isinstance(value, list):
-            if depth > max_depth:
-                return _too_deep(max_depth)
-            stack.extend((item, depth + 1) for item in value if isinstance(item, kinds))
-        elif isinstance(value, str):
-            if _SURROGATE.search(value):
-                return _bad_surrogate()
-        elif isinstance(value, float) and not math.isfinite(value):
-            return APIError(
-                400, "the body contains a number too large for JSON", code="invalid_json"
-            )
-    return None
+        if depth > max_depth:
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
+    return False
 
 
 def _too_deep(max_depth: int) -> APIError:
     return APIError(400, f"the JSON body nests deeper than {max_depth} levels", code="invalid_body")
-
-
-def _bad_surrogate() -> APIError:
-    return APIError(
-        400, "the body contains an unpaired UTF-16 surrogate escape", code="invalid_encoding"
-    )
-
-
-class Admitted:
-    """A request the admission checks let through: its whole body, and that body parsed
-    (a `NotJSON` when it is not JSON; None when there is no body or it is not a `/v1` call)."""
-
-    __slots__ = ("body", "data")
-
-    def __init__(self, body: bytes, data: Any) -> None:
-        self.body = body
-        self.data = data
 
 
 class Admission:
@@ -243,16 +159,15 @@ class Admission:
         )
         return True
 
-    async def admit_body(self, scope: Scope, receive: Receive, send: Send) -> Admitted | None:
+    async def admit_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """Read the body within the limits and check it; None when the request has been
-        answered here (413, 408, 400) or the caller left before sending all of it."""
+        answered here (413, 408, 400) or the caller left before sending all of it.
+
+        A `/v1` JSON body is parsed here, once, and left in the scope (`PARSED_BODY`).
+        """
         try:
-            connection = connection_of(scope)
-            if connection is not None and connection.body_received():
-                body = await self._read_body(scope, receive)  # in hand: nothing to wait for
-            else:
-                async with timeout(self.body_timeout):
-                    body = await self._read_body(scope, receive)
+            async with asyncio.timeout(self.body_timeout):
+                body = await self._read_body(scope, receive)
         except _BodyTooLarge:
             await send_error(
                 send,
@@ -276,13 +191,13 @@ class Admission:
             return None
         if body is None:  # the client left before sending the whole body
             return None
-        data: Any = None
-        if body and scope.get("path", "").startswith("/v1/"):
-            data, problem = parse_json(body, self.max_json_depth)
-            if problem is not None:
+        if body and scope.get("path", "").startswith("/v1/") and is_json(scope):
+            try:
+                scope[PARSED_BODY] = parse_json(body, self.max_json_depth)
+            except APIError as problem:
                 await send_error(send, problem)
                 return None
-        return Admitted(body, data)
+        return body
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -330,10 +245,9 @@ class RequestGuard:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        admitted = await self.admission.admit_body(scope, receive, send)
-        if admitted is None:
+        body = await self.admission.admit_body(scope, receive, send)
+        if body is None:
             return
-        body = admitted.body
         replayed = False
 
         async def replay() -> Message:

@@ -12,7 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from chatroute.failover.breaker import BreakerState, CircuitBreakerRegistry
-from chatroute.server.tracing import RequestTrace
+from chatroute.tracing import RequestTrace
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "ServiceMetrics"]
 

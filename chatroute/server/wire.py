@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -10,9 +9,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chatroute._json import dumps_checked, dumps_plain
 from chatroute.chat.types import (
     ChatMessage,
     ChatOptions,
@@ -43,26 +42,10 @@ __all__ = [
     "chat_call",
     "completion_body",
     "has_content",
-    "plain_chat_call",
     "query_text",
     "to_chat_messages",
     "to_chat_options",
 ]
-
-# `json.dumps(obj, ensure_ascii=False)` without a new encoder per call: what `_dumps` falls
-# back on for values orjson would write differently.
-_JSON = json.JSONEncoder(ensure_ascii=False)
-
-
-def _dumps(obj: Any) -> bytes:
-    """`obj` as UTF-8 JSON: orjson's compact encoding when it is the value the stdlib
-    writes, else the stdlib's (NaN and Infinity stay `NaN` and `Infinity`, and values JSON
-    has no form for raise its TypeError, as they always did)."""
-    out = dumps_plain(obj)
-    if out is None:
-        out = _JSON.encode(obj).encode()
-    return out
-
 
 _ROLES = {
     "system": ChatRole.SYSTEM,
@@ -442,122 +425,6 @@ def chat_call(request: ChatCompletionRequest) -> ChatCall:
     )
 
 
-# What `plain_chat_call` reads; a request with any other field goes through the model.
-_PLAIN_FIELDS = frozenset(
-    {"model", "messages", "stream", "stream_options", "n", "temperature", "top_p"}
-    | {"max_tokens", "max_completion_tokens", "stop", "presence_penalty"}
-    | {"frequency_penalty", "seed", "user"}
-)
-_PLAIN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-_PLAIN_STREAM_OPTIONS = frozenset({"include_usage"})
-_PLAIN_ROLES = {name: role for name, role in _ROLES.items() if role is not ChatRole.TOOL}
-# Each number field: its bounds, as the model's constraints give them.
-_PLAIN_NUMBERS = (
-    ("temperature", 0.0, 2.0),
-    ("top_p", 0.0, 1.0),
-    ("presence_penalty", -2.0, 2.0),
-    ("frequency_penalty", -2.0, 2.0),
-)
-
-
-def _plain_options(data: dict[str, Any]) -> ChatOptions | None:
-    """The options of a plain request, exactly as `to_chat_options` reads them from the
-    model; None when a field is not of the model's type or is out of its range."""
-    user = data.get("user")
-    seed = data.get("seed")
-    if (user is not None and type(user) is not str) or (seed is not None and type(seed) is not int):
-        return None
-    options = ChatOptions(seed=seed, user=user)
-    for field, low, high in _PLAIN_NUMBERS:
-        value = data.get(field)
-        if value is None:
-            continue
-        kind = type(value)
-        # A strict float field takes an int too, as a float; NaN fails both bounds.
-        if (kind is not float and kind is not int) or not low <= value <= high:
-            return None
-        setattr(options, field, float(value))
-    for field in ("max_tokens", "max_completion_tokens"):  # the latter wins when both are set
-        count = data.get(field)
-        if count is None:
-            continue
-        if type(count) is not int or count < 1:
-            return None
-        options.max_output_tokens = count
-    stop = data.get("stop")
-    if stop is not None:
-        if type(stop) is str:
-            options.stop_sequences = [stop]
-        elif type(stop) is list and all(type(item) is str for item in stop):
-            options.stop_sequences = list(stop)
-        else:
-            return None
-    return options
-
-
-def plain_chat_call(data: object, *, max_messages: int, max_chars: int) -> ChatCall | None:
-    """The common plain request read straight from its decoded JSON, or None.
-
-    Plain: only the fields in `_PLAIN_FIELDS`, each of the type the model takes and in its
-    range (`stream_options` with no field but `include_usage`); messages that are objects
-    with a system, developer, user or assistant role, string content of at most `max_chars`
-    characters and an optional string name; at most `max_messages` of them. For such a
-    request this is exactly `chat_call` of the validated model (tests/test_wire_plain.py
-    checks it against the model); anything else gives None and goes through the model,
-    with its errors. It exists for speed: on a proxied call the model's validation and the
-    conversion of its result cost several times this.
-    """
-    if type(data) is not dict or not _PLAIN_FIELDS.issuperset(data):
-        return None
-    wire = data.get("messages")
-    if type(wire) is not list or not wire or len(wire) > max_messages:
-        return None
-    messages: list[ChatMessage] = []
-    for item in wire:
-        if type(item) is not dict or not _PLAIN_MESSAGE_FIELDS.issuperset(item):
-            return None
-        role_name = item.get("role")
-        text = item.get("content")
-        name = item.get("name")
-        if (
-            type(role_name) is not str
-            or type(text) is not str
-            or len(text) > max_chars
-            or (name is not None and type(name) is not str)
-        ):
-            return None
-        role = _PLAIN_ROLES.get(role_name)
-        if role is None:
-            return None
-        contents = [TextContent(text)] if text else None
-        messages.append(ChatMessage(role, contents=contents, author_name=name))
-    model = data.get("model")
-    stream = data.get("stream")
-    n = data.get("n")
-    if (
-        (model is not None and type(model) is not str)
-        or (stream is not None and type(stream) is not bool)
-        or (n is not None and (type(n) is not int or n != 1))
-    ):
-        return None
-    include_usage = False
-    stream_options = data.get("stream_options")
-    if stream_options is not None:
-        if type(stream_options) is not dict or not _PLAIN_STREAM_OPTIONS.issuperset(stream_options):
-            return None
-        flag = stream_options.get("include_usage")
-        if flag is not None and type(flag) is not bool:
-            return None
-        include_usage = flag is True
-    options = _plain_options(data)
-    if options is None:
-        return None
-    return ChatCall(model, messages, options, stream is True, include_usage, [])
-
-
-# ---------------------------------------------------------------------------- responses
-
-
 def _finish(reason: object) -> str | None:
     if reason is None:
         return None
@@ -630,35 +497,9 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
     fingerprint = props.get("system_fingerprint") if props else None
     if fingerprint:
         body["system_fingerprint"] = fingerprint
-    usage = None
     if response.usage is not None:
-        usage = body["usage"] = usage_body(response.usage)
-    # The usual answer's values are all checked plain here, which spares `_dumps` its walk
-    # over the whole body.
-    if (
-        type(body["id"]) is str
-        and type(body["model"]) is str
-        and type(body["created"]) is int
-        and not calls
-        and "logprobs" not in choice
-        and (not fingerprint or type(fingerprint) is str)
-        and (usage is None or _plain_usage(usage))
-    ):
-        out = dumps_checked(body)
-        if out is not None:
-            return out
-    return _dumps(body)
-
-
-def _plain_usage(usage: dict[str, Any]) -> bool:
-    """Whether a usage body holds only ints (in its details objects too)."""
-    for value in usage.values():
-        if type(value) is dict:
-            if not all(type(count) is int for count in value.values()):
-                return False
-        elif type(value) is not int:
-            return False
-    return True
+        body["usage"] = usage_body(response.usage)
+    return orjson.dumps(body)
 
 
 def _new_id() -> str:
@@ -756,12 +597,6 @@ class StreamEncoder:
         chunk = self._chunk([choice], update.model_id)
         if logprobs is not None:
             choice["logprobs"] = logprobs
-        elif (
-            not calls and type(chunk["id"]) is str and type(chunk["model"]) is str
-        ):  # the usual chunk: its values are checked plain here, which spares `_dumps` its walk
-            out = dumps_checked(chunk)
-            if out is not None:
-                return b"data: " + out + b"\n\n"
         return _sse(chunk)
 
     def finish(self) -> bytes:
@@ -775,4 +610,4 @@ class StreamEncoder:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _dumps(obj) + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

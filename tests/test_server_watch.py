@@ -1,5 +1,6 @@
 """The service's per-request machinery, on its own: the disconnect watch around the routed
-call, the event-stream response, and the readiness check of the `/v1` endpoints.
+call, the event-stream response, the readiness check of the `/v1` endpoints, and the chat
+route's answers to every kind of body.
 
 The end-to-end behaviour (a caller leaving at every stage) is in test_disconnect.py; this
 pins the cancellation bookkeeping that those tests cannot reach: an outer cancellation, a
@@ -10,76 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
-from uvicorn.server import ServerState
 
 from chatroute.config import parse_config
 from chatroute.server import build_engine, create_app
-from chatroute.server.app import (
-    ChatrouteApp,
-    _bounded,
-    _CallerGone,
-    _Deadline,
-    _DeadlineHit,
-    _DisconnectWatch,
-    _SSEResponse,
-    _watched,
+from chatroute.server.deadlines import (
+    CallerGone,
+    Deadline,
+    DeadlineHit,
+    DisconnectWatch,
+    bounded,
+    watched,
 )
-from chatroute.server.guard import RequestGuard
-from chatroute.server.protocol import CONNECTION_EXTENSION, HttpProtocol
-from chatroute.server.tracing import RequestTrace
+from chatroute.server.responses import SSEResponse
+from chatroute.tracing import RequestTrace
 from tests.test_server import CONFIG, BagOfWordsEmbedder, Provider
-from tests.test_server_protocol import RecordingTransport
 
 
 class Connection:
-    """A caller's connection, as the watch sees it, that goes away on `leave()`.
-
-    Two kinds (every test here runs with both): `task`, an ASGI receive that reports
-    `http.disconnect` (what any server offers, watched by a task awaiting it), and
-    `protocol`, chatroute's `HttpProtocol` named in the scope, whose connection is lost
-    (watched through its callback; its receive never answers).
-    """
-
-    kind = "task"
+    """A caller's connection as the watch sees it: an ASGI receive that reports
+    `http.disconnect` once the caller `leave()`s."""
 
     def __init__(self) -> None:
         self.left = asyncio.Event()
         self.scope: dict[str, Any] = {"type": "http"}
-        self.protocol: HttpProtocol | None = None
-        if self.kind == "protocol":
-            config = uvicorn.Config(_no_app, http=HttpProtocol, log_level="warning")
-            config.load()
-            self.protocol = HttpProtocol(config, ServerState(), {}, asyncio.get_running_loop())
-            self.protocol.connection_made(RecordingTransport())  # type: ignore[arg-type]
-            self.scope["extensions"] = {CONNECTION_EXTENSION: {"protocol": self.protocol}}
 
     def leave(self) -> None:
-        if self.protocol is not None and not self.left.is_set():
-            self.protocol.connection_lost(None)
         self.left.set()
 
     async def receive(self) -> dict[str, Any]:
-        if self.protocol is not None:
-            await asyncio.Event().wait()  # the protocol watch never reads
         await self.left.wait()
         return {"type": "http.disconnect"}
-
-
-async def _no_app(scope: Any, receive: Any, send: Any) -> None:
-    raise AssertionError("no request reaches an app here")
-
-
-@pytest.fixture(autouse=True, params=["task", "protocol"])
-def watch_kind(request: pytest.FixtureRequest) -> Iterator[str]:
-    Connection.kind = request.param
-    yield request.param
-    Connection.kind = "task"
 
 
 async def upstream_call(log: list[str]) -> None:
@@ -92,8 +58,8 @@ async def upstream_call(log: list[str]) -> None:
         log.append("closed")
 
 
-def watched_by(conn: Connection) -> tuple[dict[str, Any], Any]:
-    return conn.scope, conn.receive
+def watched_by(conn: Connection) -> tuple[Any]:
+    return (conn.receive,)
 
 
 def not_cancelling() -> bool:
@@ -108,8 +74,8 @@ def others() -> set[asyncio.Task[Any]]:
 async def test_a_disconnect_ends_the_call_once_it_has_unwound() -> None:
     conn, log = Connection(), []
     asyncio.get_running_loop().call_later(0.02, conn.leave)
-    with pytest.raises(_CallerGone):
-        await _watched(conn.scope, conn.receive, upstream_call(log))
+    with pytest.raises(CallerGone):
+        await watched(conn.receive, upstream_call(log))
     assert log == ["unwinding", "closed"]
     assert not_cancelling()
 
@@ -123,9 +89,9 @@ async def test_the_result_and_the_errors_of_the_call_pass_through() -> None:
         await asyncio.sleep(0)
         raise ValueError("upstream")
 
-    assert await _watched(*watched_by(Connection()), answer()) == 42
+    assert await watched(*watched_by(Connection()), answer()) == 42
     with pytest.raises(ValueError, match="upstream"):
-        await _watched(*watched_by(Connection()), fail())
+        await watched(*watched_by(Connection()), fail())
     await asyncio.sleep(0)
     assert not others() and not_cancelling()
 
@@ -141,29 +107,29 @@ async def test_a_call_that_swallows_the_cancellation_still_ends_as_the_caller_go
         return "not cancelled"
 
     asyncio.get_running_loop().call_later(0.02, conn.leave)
-    with pytest.raises(_CallerGone):
-        await _watched(conn.scope, conn.receive, stubborn())
+    with pytest.raises(CallerGone):
+        await watched(conn.receive, stubborn())
     assert not_cancelling()  # the swallowed cancellation is not left on the task
 
 
 async def test_the_deadline_still_works_inside_the_watch() -> None:
     conn, log = Connection(), []
     at = asyncio.get_running_loop().time() + 0.02
-    with pytest.raises(_DeadlineHit):
-        await _watched(conn.scope, conn.receive, _bounded(upstream_call(log), _Deadline(at, 0.02)))
+    with pytest.raises(DeadlineHit):
+        await watched(conn.receive, bounded(upstream_call(log), Deadline(at, 0.02)))
     assert log == ["unwinding", "closed"] and not_cancelling()
 
     # Both at once: the caller is gone, and the task is left not cancelling.
     at = asyncio.get_running_loop().time() + 0.02
     asyncio.get_running_loop().call_at(at, conn.leave)
-    with pytest.raises(_CallerGone):
-        await _watched(conn.scope, conn.receive, _bounded(upstream_call([]), _Deadline(at, 0.02)))
+    with pytest.raises(CallerGone):
+        await watched(conn.receive, bounded(upstream_call([]), Deadline(at, 0.02)))
     assert not_cancelling()
 
 
 async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
     conn, log = Connection(), []
-    request = asyncio.create_task(_watched(conn.scope, conn.receive, upstream_call(log)))
+    request = asyncio.create_task(watched(conn.receive, upstream_call(log)))
     await asyncio.sleep(0.01)
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -173,7 +139,7 @@ async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
     assert not others()
 
     # Cancelled from outside while the caller leaves: still a cancellation.
-    request = asyncio.create_task(_watched(conn.scope, conn.receive, upstream_call([])))
+    request = asyncio.create_task(watched(conn.receive, upstream_call([])))
     await asyncio.sleep(0.01)
     conn.leave()
     await asyncio.sleep(0)
@@ -185,7 +151,7 @@ async def test_an_outer_cancellation_propagates_and_stops_the_watch() -> None:
 async def test_an_outer_timeout_expiring_in_the_watch_is_a_timeout() -> None:
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.02):
-            await _watched(*watched_by(Connection()), upstream_call([]))
+            await watched(*watched_by(Connection()), upstream_call([]))
     assert not_cancelling()
 
 
@@ -214,12 +180,12 @@ class Stream:
         finally:
             self.closed.append("body")
 
-    def response(self, watch: _DisconnectWatch) -> _SSEResponse:
+    def response(self, watch: DisconnectWatch) -> SSEResponse:
         def unsent() -> None:
             self.unsent += 1
             self.trace.status = 499
 
-        return _SSEResponse(
+        return SSEResponse(
             self.body(),
             Routed(self.closed),
             self.trace,
@@ -234,11 +200,11 @@ async def serve(
     conn: Connection,
     *,
     fail_send: bool = False,
-    watch: _DisconnectWatch | None = None,
+    watch: DisconnectWatch | None = None,
 ) -> list[dict[str, Any]]:
     """Serve the stream as `_stream` hands it over: with the request's running watch."""
     if watch is None:
-        watch = _DisconnectWatch(conn.scope, conn.receive)
+        watch = DisconnectWatch(conn.receive)
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -267,7 +233,7 @@ async def test_a_completed_stream_is_not_a_caller_leaving() -> None:
 
 async def test_a_caller_gone_before_the_first_send_is_seen_by_the_handed_over_watch() -> None:
     stream, conn = Stream(1000, pause=0.001), Connection()
-    watch = _DisconnectWatch(conn.scope, conn.receive)  # started while waiting for the first update
+    watch = DisconnectWatch(conn.receive)  # started while waiting for the first update
     conn.leave()  # gone before the response started: its watch has not run yet
     sent = await serve(stream, conn, watch=watch)
     assert [m["type"] for m in sent] == ["http.response.start"]
@@ -338,7 +304,7 @@ def test_the_api_answers_not_ready_before_validating_a_body() -> None:
     assert answer.status_code == 400
 
 
-# ------------------------------------------------------- the chat endpoint's fast dispatch
+# ------------------------------------------------------------ the chat route over ASGI
 
 # The config of the HTTP-layer tests, with limits the hostile cases below cross.
 FAST_CONFIG = {
@@ -423,13 +389,13 @@ def _answer(client: TestClient, body: bytes, ctype: str | None, extra: dict[str,
     return r.status_code, payload, {h: r.headers.get(h) for h in _COMPARED_HEADERS}
 
 
-def _answers(fast: bool, *, keys: list[str], ready: bool = True) -> list[Any]:
+def _answers(*, keys: list[str], ready: bool = True, app_hook: Any = None) -> list[Any]:
     config = parse_config(FAST_CONFIG, environ={})
     providers = {"fast": Provider("fast", "quick answer"), "strong": Provider("strong", "sure")}
     engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
     app = create_app(engine, api_keys=keys)
-    assert isinstance(app, ChatrouteApp)
-    app.fast_chat = fast
+    if app_hook is not None:
+        app_hook(app)
     headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
     client = TestClient(app, headers=headers)
     try:
@@ -443,38 +409,51 @@ def _answers(fast: bool, *, keys: list[str], ready: bool = True) -> list[Any]:
 
 @pytest.mark.parametrize("ready", [True, False])
 @pytest.mark.parametrize("keys", [[], ["sekrit"]])
-def test_the_fast_dispatch_answers_exactly_as_the_fastapi_route(
+def test_the_chat_route_answers_each_request_as_its_contract_says(
     ready: bool, keys: list[str]
 ) -> None:
-    fast = _answers(True, keys=keys, ready=ready)
-    routed = _answers(False, keys=keys, ready=ready)
-    for (name, *_), a, b in zip(CASES, fast, routed, strict=True):
-        assert a == b, name
-        assert a[0] != 500, name
-    statuses = {name: a[0] for (name, *_), a in zip(CASES, fast, strict=True)}
+    answers = _answers(keys=keys, ready=ready)
+    statuses = {name: a[0] for (name, *_), a in zip(CASES, answers, strict=True)}
+    assert 500 not in statuses.values()
     if ready:
         for name in ("auto", "forced", "stream", "+json type", "charset", "unknown fields"):
             assert statuses[name] == 200, name
         assert statuses["unknown model"] == 404
         assert statuses["over the size limit"] == 413
-        assert {statuses[n] for n in ("broken json", "text/plain", "NaN", "huge integer")} == {400}
+        assert {statuses[n] for n in ("broken json", "text/plain", "NaN", "too deep")} == {400}
+        assert statuses["huge integer"] == 400  # read as a float, it is no valid seed
+        by_name = {name: a for (name, *_), a in zip(CASES, answers, strict=True)}
+        messages = {name: a[1]["error"]["message"] for name, a in by_name.items() if a[0] == 400}
+        assert messages["NaN"] == "the body contains NaN, which is not valid JSON"
+        assert messages["text/plain"] == "the body must be a JSON object sent as application/json"
+        assert messages["empty body"] == "a JSON object body is required"
+        assert messages["broken json"].startswith("the body is not valid JSON: ")
+        assert by_name["unknown fields"][2]["x-chatroute-ignored-params"] == "bar,foo"
     else:
         assert statuses["auto"] == 503
         assert statuses["broken json"] == 400  # refused before readiness matters
 
 
-def test_the_fast_dispatch_refuses_a_missing_key_and_skips_fastapi(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls: list[str] = []
-    original = RequestGuard.__call__
+def test_middleware_added_to_the_app_sees_chat_requests() -> None:
+    seen: list[tuple[str, str]] = []
 
-    async def counting(self: RequestGuard, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            calls.append(scope["path"])
-        await original(self, scope, receive, send)
+    def add(app: Any) -> None:
+        @app.middleware("http")
+        async def record(request: Any, call_next: Any) -> Any:
+            response = await call_next(request)
+            seen.append((request.url.path, response.headers.get("x-chatroute-route", "")))
+            response.headers["x-added"] = "yes"
+            return response
 
-    monkeypatch.setattr(RequestGuard, "__call__", counting)
+    answers = _answers(keys=["k1"], app_hook=add)
+    auto = answers[0]
+    assert auto[0] == 200
+    paths = [path for path, _ in seen]
+    assert paths == ["/v1/chat/completions"] * len(CASES)
+    assert ("/v1/chat/completions", "code") in seen or ("/v1/chat/completions", "general") in seen
+
+
+def test_a_missing_key_is_refused_on_the_chat_route() -> None:
     config = parse_config(FAST_CONFIG, environ={})
     providers = {"fast": Provider("fast"), "strong": Provider("strong")}
     engine = build_engine(config, embedder=BagOfWordsEmbedder(), providers=providers, environ={})
@@ -487,16 +466,8 @@ def test_the_fast_dispatch_refuses_a_missing_key_and_skips_fastapi(
         ok = client.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer k1"})
         assert ok.status_code == 200
         assert ok.json()["choices"][0]["message"]["content"] == "hello"
-        assert calls == []  # neither went through FastAPI's middleware stack
-        assert (
-            client.post(
-                "/v1/route", json={"input": "x"}, headers={"authorization": "Bearer k1"}
-            ).status_code
-            == 200
-        )
-        assert calls == ["/v1/route"]
         answer = client.get("/v1/chat/completions", headers={"authorization": "Bearer k1"})
-        assert answer.status_code == 405  # other methods: FastAPI
+        assert answer.status_code == 405
     asyncio.run(engine.aclose())
 
 

@@ -1,4 +1,4 @@
-"""The routing engine built from a config: providers, per-route failover chains, semantic router."""
+"""The routing engine a config describes: providers, per-route failover chains, a routing policy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from chatroute.chat.client import ChatClient, ConfigureOptionsChatClient
 from chatroute.chat.embedding import EmbeddingGenerator
@@ -17,11 +17,14 @@ from chatroute.failover.breaker import BreakerSettings, CircuitBreakerRegistry
 from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
 from chatroute.router.decision import RouteDecision, ScoreAggregation
+from chatroute.router.policy import Router
 from chatroute.router.semantic import SemanticRoutingChatClient
-from chatroute.server.tracing import RecordingFailoverChatClient
+from chatroute.tracing import RecordingFailoverChatClient
 
 __all__ = [
+    "ROUTING_POLICIES",
     "Engine",
+    "RouterFactory",
     "build_embedder",
     "build_engine",
     "build_provider",
@@ -37,9 +40,10 @@ class Engine:
     `routes` maps each route name to its client (a health-aware failover chain over its
     providers, wrapped to apply the route's options); `chains` maps it to the chain
     itself and `resilience` to the failover settings in force for it; `breakers` holds
-    one circuit breaker per provider, shared by every route. `router` is the semantic
-    router over the routes. The engine owns the providers and the embedding generator
-    and closes them in `aclose()`; the route chains and the semantic router own nothing.
+    one circuit breaker per provider, shared by every route. `router` is the routing
+    policy over the routes that `routing.policy` names (`ROUTING_POLICIES`). The engine
+    owns the providers and the embedding generator and closes them in `aclose()`; the
+    route chains and the routing policy own nothing.
     """
 
     def __init__(
@@ -99,7 +103,7 @@ class Engine:
         return body
 
     async def decide(self, messages: Sequence[ChatMessage]) -> RouteDecision:
-        """The semantic decision for a conversation (no provider is called)."""
+        """The routing policy's decision for a conversation (no provider is called)."""
         return await self.router.route(messages)
 
     async def decide_batch(self, queries: Sequence[str]) -> list[RouteDecision]:
@@ -114,26 +118,10 @@ class Engine:
             for utterance in route.utterances
         ]
 
-    def make_router(self, profile_index: ProfileIndex | None = None) -> SemanticRoutingChatClient:
-        """A semantic router over the routes, optionally on a prebuilt profile index."""
-        routing = self.config.routing
-        profiles = {
-            self.routes[name]: list(route.utterances)
-            for name, route in self.config.routes.items()
-            if route.utterances
-        }
-        thresholds = {self.routes[name]: value for name, value in self.route_thresholds.items()}
-        return SemanticRoutingChatClient(
-            self.embedder,
-            profiles,
-            self.routes[routing.default_route],
-            score_threshold=routing.threshold,
-            top_k=routing.top_k,
-            score_aggregation=ScoreAggregation(routing.aggregation),
-            leave_open=True,
-            route_thresholds=thresholds or None,
-            profile_index=profile_index,
-        )
+    def make_router(self, profile_index: ProfileIndex | None = None) -> Router:
+        """The configured routing policy over the routes, optionally on a prebuilt profile
+        index."""
+        return ROUTING_POLICIES[self.config.routing.policy](self, profile_index)
 
     async def prepare(self) -> None:
         """Load the persisted profile index when `routing.index_path` is set.
@@ -142,7 +130,7 @@ class Engine:
         changed. Without an index path the router builds its index on first use.
         """
         index_path = self.config.routing.index_path
-        if index_path is not None and self.router.profile_index is None:
+        if index_path is not None and getattr(self.router, "profile_index", None) is None:
             index = await ProfileIndex.load_or_build(
                 index_path, self.embedder, self.profile_entries()
             )
@@ -168,6 +156,39 @@ class Engine:
                 first = first or exc
         if first is not None:
             raise first
+
+
+class RouterFactory(Protocol):
+    """Builds a routing policy over an engine's routes (on a prebuilt profile index, when
+    the engine loaded one)."""
+
+    def __call__(self, engine: Engine, profile_index: ProfileIndex | None) -> Router: ...
+
+
+def semantic_router(engine: Engine, profile_index: ProfileIndex | None) -> Router:
+    """The `semantic` policy: routes by the similarity of a query to each route's utterances."""
+    routing = engine.config.routing
+    profiles = {
+        engine.routes[name]: list(route.utterances)
+        for name, route in engine.config.routes.items()
+        if route.utterances
+    }
+    thresholds = {engine.routes[name]: value for name, value in engine.route_thresholds.items()}
+    return SemanticRoutingChatClient(
+        engine.embedder,
+        profiles,
+        engine.routes[routing.default_route],
+        score_threshold=routing.threshold,
+        top_k=routing.top_k,
+        score_aggregation=ScoreAggregation(routing.aggregation),
+        leave_open=True,
+        route_thresholds=thresholds or None,
+        profile_index=profile_index,
+    )
+
+
+ROUTING_POLICIES: dict[str, RouterFactory] = {"semantic": semantic_router}
+"""`routing.policy` names -> the factory of that policy: a new policy is one class and a line."""
 
 
 def build_embedder(config: ChatrouteConfig) -> EmbeddingGenerator:
@@ -227,6 +248,11 @@ def build_engine(
     """
     env = os.environ if environ is None else environ
     problems = config.check(env)
+    if config.routing.policy not in ROUTING_POLICIES:
+        known = ", ".join(ROUTING_POLICIES)
+        problems.append(
+            ("routing.policy", f"unknown routing policy {config.routing.policy!r}: use {known}")
+        )
     if problems:
         raise ConfigError(problems)
     given = dict(providers or {})

@@ -1,0 +1,129 @@
+"""uvicorn's httptools protocol with a bounded request head: a size limit (431) and a time limit."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Final
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+__all__ = ["MAX_HEAD_BYTES", "GuardedHttpProtocol", "http_protocol"]
+
+MAX_HEAD_BYTES: Final = 64 * 1024
+"""The most a request's target and headers may take; httptools itself sets no limit."""
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback when the head passes MAX_HEAD_BYTES (uvicorn then
+    answers the parser error with `send_400_response`)."""
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's own HTTP/1.1 protocol, with two limits on each request head.
+
+    - A head over `MAX_HEAD_BYTES` gets a 431 and the connection is closed (httptools
+      would buffer an unfinished header value without end).
+    - A head not complete `head_timeout` seconds after its first byte (after the connection
+      opened, for the first request) closes the connection, so a caller that trickles its
+      head (slowloris) cannot hold a connection. The wait between requests on a kept-alive
+      connection stays uvicorn's `timeout_keep_alive`.
+
+    Give `http_protocol(head_timeout)` as uvicorn's `http` setting.
+    """
+
+    head_timeout: float = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = False
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        whole_read_in_head = self._in_head
+        super().data_received(data)
+        if whole_read_in_head and self._in_head:  # httptools holds an unfinished value
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_large_head()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers 400 to any parser error, the callback's `_HeadTooLarge` included.
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse_large_head()
+        else:
+            super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge
+
+    def _refuse_large_head(self) -> None:
+        self.logger.warning("Request head over %d bytes.", MAX_HEAD_BYTES)
+        message = b"Request header fields too large."
+        content = [STATUS_LINE[431]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.append(b"content-type: text/plain; charset=utf-8\r\n")
+        content.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(message))
+        content.append(message)
+        if not self.transport.is_closing():
+            self.transport.write(b"".join(content))
+            self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._stop_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_expired)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if answering or (self.flow is not None and self.flow.read_paused):
+            # A pipelined head begun while the request before it is answered (or while
+            # reading is paused for it): its wait is not the caller's doing yet.
+            self._arm_head_timer()
+        elif not self.transport.is_closing():
+            self.logger.info("Request head not complete within %g s.", self.head_timeout)
+            self.transport.close()
+
+
+def http_protocol(
+    head_timeout: float = GuardedHttpProtocol.head_timeout,
+) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn's `http` setting, with the given head timeout."""
+    if head_timeout == GuardedHttpProtocol.head_timeout:
+        return GuardedHttpProtocol
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"head_timeout": head_timeout})

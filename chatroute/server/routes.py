@@ -1,0 +1,147 @@
+"""The service's routes: health, metrics, models, route, classify and chat completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from chatroute.chat.types import ChatMessage
+from chatroute.server.chat import chat_completions
+from chatroute.server.errors import APIError
+from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
+from chatroute.server.service import (
+    AUTO_MODEL,
+    CHAT_PATH,
+    Service,
+    check_length,
+    check_messages,
+    decide,
+    ready_service,
+    routing_failure,
+)
+from chatroute.server.wire import (
+    ClassifyRequest,
+    ConversationInput,
+    RouteRequest,
+    query_text,
+    to_chat_messages,
+)
+
+__all__ = ["install_routes"]
+
+
+def install_routes(app: FastAPI) -> None:
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz(request: Request) -> JSONResponse:
+        """Readiness: the model is loaded and the profile index built."""
+        service: Service | None = request.app.state.service
+        if service is None or not service.ready:
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return JSONResponse({"status": "ready", "routes": list(service.engine.routes)})
+
+    @app.get("/metrics", tags=["health"])
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
+        registry: ServiceMetrics = request.app.state.metrics
+        return Response(registry.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models(request: Request) -> dict[str, Any]:
+        """The routes, as models; `auto` routes semantically."""
+        service = ready_service(request)
+        engine = service.engine
+        data = [
+            {
+                "id": AUTO_MODEL,
+                "object": "model",
+                "created": service.started_at,
+                "owned_by": "chatroute",
+            }
+        ]
+        for name, route in service.config.routes.items():
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": service.started_at,
+                    "owned_by": "chatroute",
+                    "targets": [
+                        {"provider": t, "model": engine.provider_models.get(t)}
+                        for t in route.targets
+                    ],
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/route", tags=["routing"])
+    async def route(body: RouteRequest, request: Request) -> JSONResponse:
+        """The route a text or conversation would take (no provider is called)."""
+        service = ready_service(request)
+        started = time.perf_counter()
+        engine = service.engine
+        if body.messages is not None:
+            check_messages(service, body.messages)
+            messages = to_chat_messages(body.messages)
+        else:
+            check_length(service, len(body.input or ""), "input")
+            messages = [ChatMessage("user", body.input or "")]
+        decision = await decide(service, messages)
+        result = engine.describe(decision, matches=True)
+        service.metrics.observe_request(
+            "route", result["route"], 200, time.perf_counter() - started
+        )
+        return JSONResponse(result)
+
+    @app.post("/v1/classify", tags=["routing"])
+    async def classify(body: ClassifyRequest, request: Request) -> JSONResponse:
+        """One decision per input, computed as one batch."""
+        service = ready_service(request)
+        started = time.perf_counter()
+        limit = service.config.server.max_classify_inputs
+        if len(body.inputs) > limit:
+            raise APIError(
+                400, f"inputs: at most {limit} inputs per request", param="inputs", code="too_many"
+            )
+        queries = []
+        for position, item in enumerate(body.inputs):
+            if isinstance(item, ConversationInput):
+                prefix = f"inputs[{position}].messages"
+                check_messages(service, item.messages)
+                queries.append(query_text(to_chat_messages(item.messages, prefix=prefix)))
+            else:
+                check_length(service, len(item), f"inputs[{position}]")
+                queries.append(item)
+        try:
+            decisions = await service.engine.decide_batch(queries)
+        except Exception as exc:
+            raise routing_failure(service, exc)
+        engine = service.engine
+        data = [{"index": i, **engine.describe(d)} for i, d in enumerate(decisions)]
+        service.metrics.classify_batch_size.observe(len(queries))
+        service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
+        return JSONResponse({"object": "list", "data": data})
+
+    app.add_api_route(
+        CHAT_PATH,
+        chat_completions,
+        methods=["POST"],
+        tags=["openai"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": CHAT_REQUEST_SCHEMA}}},
+            }
+        },
+    )
+
+
+CHAT_REQUEST_SCHEMA: Final = "#/components/schemas/ChatCompletionRequest"
+"""Where the OpenAPI document holds the chat request's schema (added by `ChatrouteApp`)."""
