@@ -6,10 +6,12 @@ import importlib.util
 import math
 import os
 import re
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -58,6 +60,13 @@ def _not_blank(text: str) -> str:
 Utterance = Annotated[str, AfterValidator(_not_blank)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 RESERVED_MODEL_NAMES = frozenset({"auto"})
+
+# The time limits every provider and request gets unless the config says otherwise
+# (`null` in the config switches a limit off). See ProviderTimeouts and ResilienceConfig.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_FIRST_TOKEN_TIMEOUT = 120.0
+DEFAULT_STALL_TIMEOUT = 60.0
+DEFAULT_REQUEST_DEADLINE = 600.0
 
 
 class ConfigError(ValueError):
@@ -138,17 +147,23 @@ class ProviderTimeouts(_Strict):
     are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
     the next bytes of an answer), `write` (sending a request the upstream is slow to take
     in) and `pool` (waiting for a free connection when all are in use).
+
+    The defaults never hang and leave room for reasoning models: a model that thinks
+    without streaming its reasoning may be silent for a minute or two before its first
+    token (`first_token` 120 s), while a stream that has started and then goes quiet for
+    a minute has stalled (`stall` 60 s). `connect` 10 s covers a TLS handshake across
+    continents with room to spare; a refused connection fails at once anyway.
     """
 
-    connect: PositiveSeconds = 5.0
+    connect: PositiveSeconds = DEFAULT_CONNECT_TIMEOUT
     read: PositiveSeconds = 300.0
     write: PositiveSeconds = 30.0
     pool: PositiveSeconds = 10.0
     attempt: PositiveSeconds | None = Field(
         default=None, validation_alias=AliasChoices("attempt", "request")
     )
-    first_token: PositiveSeconds | None = None
-    stall: PositiveSeconds | None = None
+    first_token: PositiveSeconds | None = DEFAULT_FIRST_TOKEN_TIMEOUT
+    stall: PositiveSeconds | None = DEFAULT_STALL_TIMEOUT
 
     @property
     def request(self) -> float | None:
@@ -218,7 +233,8 @@ class ResilienceConfig(_Strict):
 
     - `deadline`: seconds a whole request may take, failovers and the streamed body
       included; the caller then gets 504 (or an in-band error once a stream started).
-      None: no overall limit.
+      None: no overall limit. The default, 10 minutes, is the openai SDK's own default
+      timeout: room for a long reasoning answer, yet no request is held forever.
     - `max_attempts`: the attempt budget of one request, retries and fallbacks together.
       None: each target once (or `max_tries_per_provider` times when retrying).
     - `retry_same_provider`: a provider that failed with a retryable error (5xx, reset,
@@ -232,7 +248,7 @@ class ResilienceConfig(_Strict):
     - `breaker`: the circuit breaker each provider gets, shared by every route.
     """
 
-    deadline: PositiveSeconds | None = None
+    deadline: PositiveSeconds | None = DEFAULT_REQUEST_DEADLINE
     max_attempts: int | None = Field(default=None, ge=1)
     retry_same_provider: bool = False
     max_tries_per_provider: int = Field(default=2, ge=1, le=10)
@@ -299,10 +315,21 @@ class ProviderConfig(_Strict):
     @field_validator("headers")
     @classmethod
     def _no_secret_headers(cls, headers: dict[str, str]) -> dict[str, str]:
-        for key in headers:
+        for key, value in headers.items():
             if key.lower() in {"authorization", "api-key", "x-api-key", "proxy-authorization"}:
                 raise ValueError(f"header {key!r} carries a secret: use api_key_env instead")
+            problem = header_problem(key, value)
+            if problem:
+                raise ValueError(problem)
         return headers
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        problem = None if url is None else url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
 
     def resolved_base_url(self, environ: Mapping[str, str]) -> str | None:
         """The base URL: the named environment variable when set, else `base_url`."""
@@ -429,6 +456,15 @@ class ChatrouteConfig(_Strict):
                     f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation",
                 )
             )
+        redis_url = self.shared_state.redis_url(env)
+        redis_problem = redis_url and url_problem(redis_url, ("redis", "rediss", "unix"))
+        if redis_problem:
+            problems.append(
+                (
+                    "shared_state.redis_url_env",
+                    f"{self.shared_state.redis_url_env} in the environment: {redis_problem}",
+                )
+            )
         if self.shared_state.redis_url_env and importlib.util.find_spec("redis") is None:
             problems.append(
                 (
@@ -452,6 +488,15 @@ class ChatrouteConfig(_Strict):
                         "applies to openai providers only (the anthropic SDK sends the key)",
                     )
                 )
+            if provider.base_url_env and env.get(provider.base_url_env):
+                problem = url_problem(env[provider.base_url_env])
+                if problem:
+                    problems.append(
+                        (
+                            f"providers.{name}.base_url_env",
+                            f"{provider.base_url_env} in the environment: {problem}",
+                        )
+                    )
             if provider.type == "openai" and provider.resolved_base_url(env) is None:
                 problems.append(
                     (f"providers.{name}.base_url", "required (or set base_url_env in the env)")
@@ -461,6 +506,40 @@ class ChatrouteConfig(_Strict):
                     (f"providers.{name}.model", "required (or set model_env in the env)")
                 )
         return problems
+
+
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]*$")
+
+
+def url_problem(url: str, schemes: tuple[str, ...] = ("http", "https")) -> str | None:
+    """Why `url` is no usable absolute URL with one of `schemes`, or None when it is."""
+    shown = " or ".join(f"{s}://" for s in schemes)
+    if not url or url != url.strip() or any(c in url for c in "\r\n\t "):
+        return f"{url!r} is not a URL (empty, or holds whitespace)"
+    if "://" not in url:
+        return f"{url!r} has no scheme: write it as {schemes[0]}://{url}"
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in schemes:
+        return f"{url!r} has the scheme {parts.scheme!r}; expected {shown}"
+    try:
+        host, _ = parts.hostname, parts.port
+    except ValueError as exc:  # a port that is no number, or out of range
+        return f"{url!r} has a bad port ({exc})"
+    if not host and parts.scheme.lower() != "unix":
+        return f"{url!r} names no host"
+    return None
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why a header name or value cannot be sent on HTTP/1.1, or None when it can."""
+    if not _TOKEN.match(name):
+        return f"header name {name!r} is not a valid HTTP token"
+    if any(c in value for c in "\r\n\x00"):
+        return f"header {name!r}: the value holds a line break or NUL (CR/LF injection)"
+    if not _HEADER_VALUE.match(value):
+        return f"header {name!r}: the value holds control or non-ASCII characters"
+    return None
 
 
 def _closest(name: str, known: Mapping[str, Any]) -> str:
@@ -482,13 +561,64 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+def _known_keys(loc: tuple[int | str, ...]) -> dict[str, None]:
+    """The keys the config accepts at `loc` (aliases included); empty when unknown."""
+    kind: Any = ChatrouteConfig
+    skip = False  # the next part of `loc` is a key of a dict (a provider's name, ...)
+    for part in loc:
+        if skip:
+            skip = False
+            continue
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return {}
+        field = kind.model_fields.get(str(part))
+        if field is None:
+            field = next(
+                (f for f in kind.model_fields.values() if f.alias == part),
+                None,
+            )
+        if field is None:
+            return {}
+        kind = _unwrap(field.annotation)
+        if get_origin(kind) is dict:
+            kind = _unwrap(get_args(kind)[1])
+            skip = True
+    if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+        return {}
+    names: dict[str, None] = {}
+    for field_name, field in kind.model_fields.items():
+        names[field_name] = None
+        if field.alias:
+            names[field.alias] = None
+        if isinstance(field.validation_alias, AliasChoices):
+            names.update((str(c), None) for c in field.validation_alias.choices)
+    return names
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The type inside `X | None` and `Annotated[X, ...]`."""
+    while True:
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            annotation = get_args(annotation)[0]
+        elif origin is Union or origin is types.UnionType:
+            args = [a for a in get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation
+
+
 def _pydantic_problems(error: ValidationError) -> list[tuple[str, str]]:
     problems = []
     for item in error.errors(include_url=False, include_input=False):
         loc = tuple(p for p in item["loc"] if p != "[key]")
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            key = loc[-1] if loc else ""
+            known = _known_keys(loc[:-1])
+            message = "unknown key" + (_closest(str(key), known) if known else "")
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
         problems.append((_format_loc(loc), message))

@@ -83,7 +83,7 @@ def test_every_problem_is_reported_at_once() -> None:
     data["providers"]["fast"]["timeouts"] = {"connect": -1}
     found = problems(data)
     assert "routes.code.utterances[1]: must not be empty or whitespace" in found
-    assert "routes.code.options.temprature: unknown key" in found
+    assert "routes.code.options.temprature: unknown key (did you mean 'temperature'?)" in found
     assert any(p.startswith("providers.fast.timeouts.connect:") for p in found)
     # Cross-reference checks run only once the shape is valid.
     data = base()
