@@ -311,7 +311,9 @@ def test_check_probe_lists_each_providers_models_and_fails_on_an_unreachable_one
         good = run("check", "--config", path, "--probe", "--no-model")
         providers["down"] = {"base_url": "http://127.0.0.1:9/v1", "model": "m"}
         routes["general"]["targets"].append("down")
-        bad = run("check", "-c", _write(tmp_path, config), "--probe", "--timeout", "5", "--no-model")
+        bad = run(
+            "check", "-c", _write(tmp_path, config), "--probe", "--timeout", "5", "--no-model"
+        )
         assert openai_up.attempts == 0 and claude_up.attempts == 0  # no chat call was made
     assert good.exit_code == 0, good.output
     assert "probe served: ok" in good.output and "lists m-served" in good.output

@@ -1,4 +1,4 @@
-"""A user's error on the command line: one line naming the problem and exit status 2, never a traceback."""
+"""A user's error on the command line: one line per problem and exit 2, never a traceback."""
 
 from __future__ import annotations
 
