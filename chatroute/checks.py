@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.config import ChatrouteConfig, ConfigError, load_config
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "index_folder",
     "input_file",
     "load_checked",
+    "load_embedder",
     "output_file",
 ]
 
@@ -94,17 +96,21 @@ def config_problems(
     return problems
 
 
-def check_model_loads(config: ChatrouteConfig, *, source: str | None = None) -> None:
-    """Load the embedding model as `serve` does and close it; `ConfigError` when it fails."""
+def load_embedder(config: ChatrouteConfig, *, source: str | None = None) -> EmbeddingGenerator:
+    """The embedding model the config names, loaded; `ConfigError` when it cannot be."""
     from chatroute.embedder import EmbedderLoadError
     from chatroute.server.engine import build_embedder
 
     try:
-        generator = build_embedder(config)
+        return build_embedder(config)
     except (EmbedderLoadError, ValueError, OSError, RuntimeError) as exc:
         message = f"the model could not be loaded: {_one_line(exc)}"
         raise ConfigError([("embedder.model", message)], source) from None
-    asyncio.run(generator.aclose())
+
+
+def check_model_loads(config: ChatrouteConfig, *, source: str | None = None) -> None:
+    """Load the embedding model as `serve` does and close it; `ConfigError` when it fails."""
+    asyncio.run(load_embedder(config, source=source).aclose())
 
 
 # -- a command's own paths ---------------------------------------------------------------

@@ -267,16 +267,27 @@ def test_check_loads_the_model_unless_told_not_to(
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     runner = CliRunner()
 
+    import uvicorn
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("serve started although its model cannot be loaded")
+
+    monkeypatch.setattr(uvicorn, "run", never)
+
     loaded = runner.invoke(app, ["check", "--config", str(path)], catch_exceptions=False)
     skipped = runner.invoke(
         app, ["check", "--config", str(path), "--no-model"], catch_exceptions=False
     )
+    served = runner.invoke(app, ["serve", "--config", str(path)], catch_exceptions=False)
 
     assert loaded.exit_code == 2, loaded.output
     (line,) = _errors(loaded.output)
     assert line.startswith(f"error: {path}: embedder.model: the model could not be loaded: ")
     assert str(broken) in line
     assert skipped.exit_code == 0, skipped.output
+    # serve loads the model before it listens, so it fails the same way, not at start-up.
+    assert served.exit_code == 2, served.output
+    assert _errors(served.output) == [line]
 
 
 def test_check_builds_the_model_as_serve_does_and_closes_it(

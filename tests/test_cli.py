@@ -221,7 +221,11 @@ def test_index_build_persists_the_profile_index(config_file: Path, tmp_path: Pat
     ("proxies", "honoured"), [(None, False), (["10.0.0.0/8", "127.0.0.1"], True)]
 )
 def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_proxies(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxies: list[str] | None, honoured: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    default_embedder: Callable[[], EmbeddingGenerator],
+    proxies: list[str] | None,
+    honoured: bool,
 ) -> None:
     import uvicorn
 
@@ -234,6 +238,7 @@ def test_serve_runs_uvicorn_on_the_coalescing_protocol_and_trusts_only_named_pro
     path.write_text(yaml.safe_dump(settings), encoding="utf-8")
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
+    monkeypatch.setattr("chatroute.server.engine.build_embedder", lambda config: default_embedder())
     result = run("serve", "--config", path)
     assert result.exit_code == 0, result.output
     assert seen["http"] is HttpProtocol and seen["port"] == 8123

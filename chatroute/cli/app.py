@@ -111,7 +111,7 @@ def serve(
     chatroute_logger.propagate = False
     proxies = settings.server.forwarded_allow_ips
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, embedder=checks.load_embedder(settings, source=str(config))),
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
