@@ -55,14 +55,21 @@ def load_checked(
     *,
     model: Literal["skip", "locate"] = "locate",
     environ: Mapping[str, str] | None = None,
+    thresholds_may_be_missing: bool = False,
 ) -> ChatrouteConfig:
     """Read a config file and check everything it needs outside itself.
 
     Raises `ConfigError` (with the file as its source) listing every problem found.
     `model="locate"` checks that the embedding model can be found and its device and
     dtype exist, without loading it; `"skip"` leaves the model out.
+    `thresholds_may_be_missing` (for `fit`, which writes that file): a
+    `routing.thresholds_file` that does not exist yet is left out of the config returned.
     """
     config = load_config(path, environ=environ)
+    thresholds = config.routing.thresholds_file
+    if thresholds_may_be_missing and thresholds is not None and not Path(thresholds).exists():
+        routing = config.routing.model_copy(update={"thresholds_file": None})
+        config = config.model_copy(update={"routing": routing})
     check_config(config, model=model, source=str(path))
     return config
 

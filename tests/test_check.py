@@ -390,6 +390,44 @@ def test_bad_paths_on_the_command_line_are_one_line_and_exit_2(
     assert _errors(result.output) == ["error: " + expected.format(tmp=tmp_path)]
 
 
+def test_fit_may_write_the_thresholds_file_the_config_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_embedder: Callable[[], Any]
+) -> None:
+    # The documented first run: the config already names thresholds.json, fit creates it.
+    monkeypatch.setattr("chatroute.server.engine.build_embedder", lambda config: default_embedder())
+    config = copy.deepcopy(CONFIG)
+    config["routing"]["thresholds_file"] = "thresholds.json"
+    path = tmp_path / "chatroute.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    labelled = tmp_path / "labelled.jsonl"
+    labelled.write_text(
+        "\n".join(
+            json.dumps({"input": text, "route": route})
+            for text, route in [
+                ("my code throws an exception when I run it", "code"),
+                ("sort this list in python for me", "code"),
+                ("integrate x squared from zero to one", "math"),
+                ("solve for y in 2y = 10", "math"),
+                ("how do I fix a flat bicycle tyre", None),
+                ("solve my scheduling problem at work", None),
+                ("write a wedding speech", None),
+            ]
+        )
+    )
+    refused = _invoke(["route", "-c", str(path), "hello"])
+    fitted = _invoke(
+        ["fit", "-c", str(path), str(labelled), "-o", str(tmp_path / "thresholds.json")]
+    )
+    routed = _invoke(["route", "-c", str(path), "hello"])
+    assert refused.exit_code == 2
+    assert _errors(refused.output) == [
+        f"error: {path}: routing.thresholds_file: cannot read {tmp_path}/thresholds.json: "
+        "No such file or directory"
+    ]
+    assert fitted.exit_code == 0, fitted.output
+    assert routed.exit_code == 0, routed.output
+
+
 # ------------------------------------------------------------------ the handler itself
 
 

@@ -215,7 +215,7 @@ def fit(
     """Fit per-route thresholds on labelled queries; point routing.thresholds_file at them."""
     from chatroute.cli.fit import fit_file, thresholds_document
 
-    settings = _config(config)
+    settings = checks.load_checked(config, thresholds_may_be_missing=True)  # fit writes it
     checks.output_file("--output", output, not_same_as=checks.input_file("LABELLED", labelled))
     if not labelled.is_file():
         raise _fail(f"no such input file: {labelled}")
