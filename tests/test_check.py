@@ -497,3 +497,58 @@ def test_path_checks(tmp_path: Path) -> None:
         index_folder_problem(tmp_path / "f" / "index")
         == f"cannot be created: {tmp_path / 'f'} is a file"
     )
+
+
+def test_a_misspelled_key_gets_the_nearest_known_one_at_every_level() -> None:
+    from chatroute.config import parse_config
+
+    data = copy.deepcopy(CONFIG)
+    data["rsilience"] = {}
+    data["providers"]["p"]["timeouts"] = {"first_tokens": 3, "reqest": 9}
+    data["routes"]["code"]["options"] = {"max_token": 5}
+    data["routes"]["math"]["zzz"] = 1
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, environ={})
+    assert sorted(caught.value.problems) == [
+        ("providers.p.timeouts.first_tokens", "unknown key (did you mean 'first_token'?)"),
+        ("providers.p.timeouts.reqest", "unknown key (did you mean 'request'?)"),
+        ("routes.code.options.max_token", "unknown key (did you mean 'max_tokens'?)"),
+        ("routes.math.zzz", "unknown key"),
+        ("rsilience", "unknown key (did you mean 'resilience'?)"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:8001/v1", None),
+        ("https://api.openai.com/v1", None),
+        ("localhost:8001/v1", "has no scheme: write it as http://localhost:8001/v1"),
+        ("ftp://host/v1", "has the scheme 'ftp'; expected http:// or https://"),
+        ("http://host:99999/v1", "has a bad port"),
+        ("http:///v1", "names no host"),
+        (" http://host/v1", "is not a URL"),
+    ],
+)
+def test_url_problems(url: str, problem: str | None) -> None:
+    from chatroute._config_values import url_problem
+
+    found = url_problem(url)
+    assert found is None if problem is None else (found is not None and problem in found)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "problem"),
+    [
+        ("X-Team", "search", None),
+        ("X-Team", "a\nb", "line break or NUL"),
+        ("X-Team", "a\x00b", "line break or NUL"),
+        ("X-Team", "caf\u00e9", "control or non-ASCII"),
+        ("X Team", "a", "not a valid HTTP token"),
+    ],
+)
+def test_header_problems(name: str, value: str, problem: str | None) -> None:
+    from chatroute._config_values import header_problem
+
+    found = header_problem(name, value)
+    assert found is None if problem is None else (found is not None and problem in found)
