@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
 )
 
+from chatroute._config_values import header_problem, known_keys, url_problem
 from chatroute.chat.types import ChatOptions
 
 __all__ = [
@@ -58,6 +59,13 @@ def _not_blank(text: str) -> str:
 Utterance = Annotated[str, AfterValidator(_not_blank)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 RESERVED_MODEL_NAMES = frozenset({"auto"})
+
+# The time limits every provider and request gets unless the config says otherwise
+# (`null` in the config switches a limit off). See ProviderTimeouts and ResilienceConfig.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_FIRST_TOKEN_TIMEOUT = 120.0
+DEFAULT_STALL_TIMEOUT = 60.0
+DEFAULT_REQUEST_DEADLINE = 600.0
 
 
 class ConfigError(ValueError):
@@ -143,17 +151,23 @@ class ProviderTimeouts(_Strict):
     are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
     the next bytes of an answer), `write` (sending a request the upstream is slow to take
     in) and `pool` (waiting for a free connection when all are in use).
+
+    The defaults never hang and leave room for reasoning models: a model that thinks
+    without streaming its reasoning may be silent for a minute or two before its first
+    token (`first_token` 120 s), while a stream that has started and then goes quiet for
+    a minute has stalled (`stall` 60 s). `connect` 10 s covers a TLS handshake across
+    continents with room to spare; a refused connection fails at once anyway.
     """
 
-    connect: PositiveSeconds = 5.0
+    connect: PositiveSeconds = DEFAULT_CONNECT_TIMEOUT
     read: PositiveSeconds = 300.0
     write: PositiveSeconds = 30.0
     pool: PositiveSeconds = 10.0
     attempt: PositiveSeconds | None = Field(
         default=None, validation_alias=AliasChoices("attempt", "request")
     )
-    first_token: PositiveSeconds | None = None
-    stall: PositiveSeconds | None = None
+    first_token: PositiveSeconds | None = DEFAULT_FIRST_TOKEN_TIMEOUT
+    stall: PositiveSeconds | None = DEFAULT_STALL_TIMEOUT
 
     @property
     def request(self) -> float | None:
@@ -223,7 +237,8 @@ class ResilienceConfig(_Strict):
 
     - `deadline`: seconds a whole request may take, failovers and the streamed body
       included; the caller then gets 504 (or an in-band error once a stream started).
-      None: no overall limit.
+      None: no overall limit. The default, 10 minutes, is the openai SDK's own default
+      timeout: room for a long reasoning answer, yet no request is held forever.
     - `max_attempts`: the attempt budget of one request, retries and fallbacks together.
       None: each target once (or `max_tries_per_provider` times when retrying).
     - `retry_same_provider`: a provider that failed with a retryable error (5xx, reset,
@@ -237,7 +252,7 @@ class ResilienceConfig(_Strict):
     - `breaker`: the circuit breaker each provider gets, shared by every route.
     """
 
-    deadline: PositiveSeconds | None = None
+    deadline: PositiveSeconds | None = DEFAULT_REQUEST_DEADLINE
     max_attempts: int | None = Field(default=None, ge=1)
     retry_same_provider: bool = False
     max_tries_per_provider: int = Field(default=2, ge=1, le=10)
@@ -323,9 +338,18 @@ class ProviderConfig(_Strict):
         for key, value in headers.items():
             if key.lower() in {"authorization", "api-key", "x-api-key", "proxy-authorization"}:
                 raise ValueError(f"header {key!r} carries a secret: use api_key_env instead")
-            if _SPLITS_HEAD.search(key) or _SPLITS_HEAD.search(value):
-                raise ValueError(f"header {key!r}: names and values may not contain CR, LF or NUL")
+            problem = header_problem(key, value)
+            if problem:
+                raise ValueError(problem)
         return headers
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        problem = None if url is None else url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
 
     def resolved_base_url(self, environ: Mapping[str, str]) -> str | None:
         """The base URL: the named environment variable when set, else `base_url`."""
@@ -452,6 +476,15 @@ class ChatrouteConfig(_Strict):
                     f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation",
                 )
             )
+        redis_url = self.shared_state.redis_url(env)
+        redis_problem = redis_url and url_problem(redis_url, ("redis", "rediss", "unix"))
+        if redis_problem:
+            problems.append(
+                (
+                    "shared_state.redis_url_env",
+                    f"{self.shared_state.redis_url_env} in the environment: {redis_problem}",
+                )
+            )
         if self.shared_state.redis_url_env and importlib.util.find_spec("redis") is None:
             problems.append(
                 (
@@ -474,6 +507,15 @@ class ChatrouteConfig(_Strict):
                         f"{provider.api_key_env} holds CR, LF or NUL: it cannot go in a header",
                     )
                 )
+            if provider.base_url_env and env.get(provider.base_url_env):
+                problem = url_problem(env[provider.base_url_env])
+                if problem:
+                    problems.append(
+                        (
+                            f"providers.{name}.base_url_env",
+                            f"{provider.base_url_env} in the environment: {problem}",
+                        )
+                    )
             if provider.resolved_base_url(env) is None and _needs_base_url(provider.type):
                 problems.append(
                     (f"providers.{name}.base_url", "required (or set base_url_env in the env)")
@@ -517,7 +559,9 @@ def _pydantic_problems(error: ValidationError) -> list[tuple[str, str]]:
         loc = tuple(p for p in item["loc"] if p != "[key]")
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            key = loc[-1] if loc else ""
+            known = known_keys(ChatrouteConfig, loc[:-1])
+            message = "unknown key" + (_closest(str(key), known) if known else "")
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
         problems.append((_format_loc(loc), message))

@@ -221,7 +221,11 @@ def test_index_build_persists_the_profile_index(config_file: Path, tmp_path: Pat
     ("proxies", "honoured"), [(None, False), (["10.0.0.0/8", "127.0.0.1"], True)]
 )
 def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxies(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxies: list[str] | None, honoured: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    default_embedder: Callable[[], EmbeddingGenerator],
+    proxies: list[str] | None,
+    honoured: bool,
 ) -> None:
     import uvicorn
 
@@ -234,6 +238,7 @@ def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxie
     path.write_text(yaml.safe_dump(settings), encoding="utf-8")
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
+    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
     result = run("serve", "--config", path)
     assert result.exit_code == 0, result.output
     assert issubclass(seen["http"], GuardedHttpProtocol) and seen["http"].head_timeout == 4
@@ -282,7 +287,7 @@ def test_check_shows_providers_routes_and_keys_without_loading_a_model(
             "general": {**CONFIG["routes"]["general"], "targets": ["with_key"]},
         },
     }
-    result = run("check", "--config", _write(tmp_path, config))
+    result = run("check", "--config", _write(tmp_path, config), "--no-model")
     assert result.exit_code == 0, result.output
     out = result.output
     assert "from SET_KEY" in out and "UNSET_KEY not set" in out
@@ -309,10 +314,12 @@ def test_check_probe_lists_each_providers_models_and_fails_on_an_unreachable_one
         routes = {"general": {"utterances": ["hi"], "targets": list(providers)}}
         config = {"routing": {"default_route": "general"}, "providers": providers, "routes": routes}
         path = _write(tmp_path, config)
-        good = run("check", "--config", path, "--probe")
+        good = run("check", "--config", path, "--probe", "--no-model")
         providers["down"] = {"base_url": "http://127.0.0.1:9/v1", "model": "m"}
         routes["general"]["targets"].append("down")
-        bad = run("check", "--config", _write(tmp_path, config), "--probe", "--timeout", "5")
+        bad = run(
+            "check", "-c", _write(tmp_path, config), "--probe", "--timeout", "5", "--no-model"
+        )
         assert openai_up.attempts == 0 and claude_up.attempts == 0  # no chat call was made
     assert good.exit_code == 0, good.output
     assert "probe served: ok" in good.output and "lists m-served" in good.output

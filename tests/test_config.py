@@ -85,7 +85,7 @@ def test_every_problem_is_reported_at_once() -> None:
     data["providers"]["fast"]["timeouts"] = {"connect": -1}
     found = problems(data)
     assert "routes.code.utterances[1]: must not be empty or whitespace" in found
-    assert "routes.code.options.temprature: unknown key" in found
+    assert "routes.code.options.temprature: unknown key (did you mean 'temperature'?)" in found
     assert any(p.startswith("providers.fast.timeouts.connect:") for p in found)
     # Cross-reference checks run only once the shape is valid.
     data = base()
@@ -391,7 +391,9 @@ def test_header_values_that_could_split_the_request_head_are_refused_with_the_ke
         }
 
     for headers in ({"x-team": "blue\r\nx-admin: yes"}, {"x-team": "a\nb"}, {"x\rbad": "v"}):
-        with pytest.raises(ConfigError, match=r"providers\.p\.headers.*CR, LF or NUL"):
+        with pytest.raises(
+            ConfigError, match=r"providers\.p\.headers.*(line break or NUL|not a valid HTTP token)"
+        ):
             parse_config(config(headers=headers), environ={})
     with pytest.raises(ConfigError, match=r"providers\.p\.api_key_env.*KEY holds CR, LF"):
         parse_config(config(api_key_env="KEY"), environ={"KEY": "sk-abc\r\nx-evil: 1"})

@@ -22,8 +22,10 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from chatroute import checks
 from chatroute.chat.types import ChatMessage, ChatRole
-from chatroute.config import ChatrouteConfig, ConfigError, load_config
+from chatroute.cli.errors import UserErrorGroup
+from chatroute.config import ChatrouteConfig
 
 if TYPE_CHECKING:
     from chatroute.cli.classify import BadLine, ClassifyReport
@@ -40,6 +42,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=UserErrorGroup,  # a user's error: one line and exit 2, never a traceback
 )
 index_app = typer.Typer(help="Build and manage the persisted profile index.", no_args_is_help=True)
 app.add_typer(index_app, name="index")
@@ -66,10 +69,8 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _config(path: Path) -> ChatrouteConfig:
-    try:
-        return load_config(path)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
+    """The config, checked as every command needs it (files, folders, model)."""
+    return checks.load_checked(path)
 
 
 def _run_engine(config: ChatrouteConfig, work: Callable[[Engine], Awaitable[T]]) -> T:
@@ -110,7 +111,7 @@ def serve(
     chatroute_logger.propagate = False
     proxies = settings.server.forwarded_allow_ips
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, embedder=checks.load_embedder(settings, source=str(config))),
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
@@ -160,6 +161,7 @@ def classify(
     from chatroute.cli.classify import classify_file
 
     settings = _config(config)
+    checks.output_file("--output", output, not_same_as=checks.input_file("SOURCE", source))
     if not source.is_file():
         raise _fail(f"no such input file: {source}")
     console = _console()
@@ -213,7 +215,8 @@ def fit(
     """Fit per-route thresholds on labelled queries; point routing.thresholds_file at them."""
     from chatroute.cli.fit import fit_file, thresholds_document
 
-    settings = _config(config)
+    settings = checks.load_checked(config, thresholds_may_be_missing=True)  # fit writes it
+    checks.output_file("--output", output, not_same_as=checks.input_file("LABELLED", labelled))
     if not labelled.is_file():
         raise _fail(f"no such input file: {labelled}")
 
@@ -250,6 +253,7 @@ def index_build(
     from chatroute.index import ProfileIndex
 
     settings = _config(config)
+    checks.index_folder("--output", output)
 
     async def work(engine: Engine) -> ProfileIndex:
         return await ProfileIndex.load_or_build(output, engine.embedder, engine.profile_entries())
@@ -272,17 +276,27 @@ def check(
     timeout: Annotated[
         float, typer.Option(help="Seconds each probe may take.", min=0.1, max=120)
     ] = 10.0,
+    no_model: Annotated[
+        bool,
+        typer.Option(
+            "--no-model", help="Do not load the embedding model (only check that it is found)."
+        ),
+    ] = False,
 ) -> None:
-    """Validate a config and show what it sets up; with --probe, check every provider.
+    """Run every check the other commands run before working, and show what the config sets up.
 
-    Exits 2 for a config error and 1 when a probe fails; no model is loaded and no chat
-    request is sent (nothing is billed).
+    The file (keys, values, URLs, headers, names), the files and folders it names, and the
+    embedding model, loaded as `serve` loads it (`--no-model`: only found); with --probe,
+    also each provider. Exits 2 for a config error, with one line per problem, and 1 when a
+    probe fails; no chat request is sent (nothing is billed).
     """
     import os
 
     from rich.table import Table
 
     settings = _config(config)
+    if not no_model:
+        checks.check_model_loads(settings, source=str(config))
     env = os.environ
     console = Console(soft_wrap=True, highlight=False)
     providers = Table(title="providers", title_justify="left")
