@@ -233,6 +233,11 @@ def fit(
     for warning in notes:
         note(f"warning: {warning}")
     note(report)
+    chosen = document.get("oos_score")
+    if chosen is not None and chosen != (settings.routing.oos_score or chosen):
+        note(f"the thresholds fit the out-of-scope score {chosen}: set routing.oos_score: {chosen}")
+    elif chosen is not None and settings.routing.oos_score is None:
+        note(f"the thresholds fit the out-of-scope score {chosen}: set routing.oos_score: {chosen}")
     text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     if output is None:
         typer.echo(text, nl=False)
@@ -246,16 +251,23 @@ def index_build(
     config: ConfigOption,
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to save into.")],
 ) -> None:
-    """Embed every route utterance and save the profile index (reusing unchanged vectors)."""
+    """Embed every route utterance, train the scoring head and save both (reusing what is unchanged)."""
     from chatroute.index import ProfileIndex
 
     settings = _config(config)
 
     async def work(engine: Engine) -> ProfileIndex:
-        return await ProfileIndex.load_or_build(output, engine.embedder, engine.profile_entries())
+        return await ProfileIndex.load_or_build(
+            output, engine.embedder, engine.profile_entries(), scoring=engine.router.scoring
+        )
 
     index = _run_engine(settings, work)
     note(f"profile index: {len(index)} utterances, dimension {index.dimension}, saved in {output}")
+    scoring = settings.routing.scoring
+    if index.head is not None:
+        note(f"scoring {scoring}: head trained in {index.head.train_seconds:.2f} s")
+    else:
+        note(f"scoring {scoring}: nothing to train")
 
 
 @app.command()

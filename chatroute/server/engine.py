@@ -17,6 +17,7 @@ from chatroute.failover.breaker import BreakerSettings, CircuitBreakerRegistry
 from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
 from chatroute.router.decision import RouteDecision, ScoreAggregation
+from chatroute.router.scoring import make_scoring
 from chatroute.router.semantic import SemanticRoutingChatClient
 from chatroute.server.tracing import RecordingFailoverChatClient
 
@@ -133,6 +134,7 @@ class Engine:
             leave_open=True,
             route_thresholds=thresholds or None,
             profile_index=profile_index,
+            scoring=make_scoring(routing.scoring, oos_score=routing.oos_score),
         )
 
     async def prepare(self) -> None:
@@ -144,7 +146,7 @@ class Engine:
         index_path = self.config.routing.index_path
         if index_path is not None and self.router.profile_index is None:
             index = await ProfileIndex.load_or_build(
-                index_path, self.embedder, self.profile_entries()
+                index_path, self.embedder, self.profile_entries(), scoring=self.router.scoring
             )
             self.router = self.make_router(index)
 
