@@ -42,9 +42,12 @@ TIE_TOLERANCE = 1e-6
 
 
 class ScoringMode(ABC):
-    """One way of scoring routes. Subclasses set `name`, `oos_scores` and, if they learn,
-    `trains = True` with `training_settings` and `train`; dense modes implement `prepare`
-    and `route_scores` (one score per route column for each query row).
+    """One way of scoring routes.
+
+    Subclasses set `name`, `oos_scores` and, if they learn, `trains = True` with
+    `training_settings` and `train`; dense modes implement `prepare` and `route_scores`
+    (one score per route column for each query row). Scores are float32 computed in
+    float64, so that a query's scores do not depend on the batch it came in.
     """
 
     name: ClassVar[str]
@@ -158,13 +161,13 @@ class KnnScoring(ScoringMode):
         order = np.argsort(groups, kind="stable")
         counts = np.bincount(groups, minlength=routes)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        vectors = np.ascontiguousarray(index.vectors[order])
-        return vectors, starts, counts.astype(np.float32)
+        vectors = np.ascontiguousarray(index.vectors[order].T, dtype=np.float64)
+        return vectors, starts, counts.astype(np.float64)
 
     def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
         vectors, starts, counts = state
         temperature = self.temperature
-        cosines = queries @ vectors.T
+        cosines = queries.astype(np.float64) @ vectors
         best = np.maximum.reduceat(cosines, starts, axis=1)
         spread = np.repeat(best, counts.astype(np.int64), axis=1)
         weights = np.exp((cosines - spread) / temperature)
@@ -256,12 +259,14 @@ class PrototypeScoring(ScoringMode):
                 f"the prototype head has shape {prototypes.shape}, "
                 f"the index needs ({routes}, {index.dimension})"
             )
-        return np.ascontiguousarray(prototypes.T), np.ascontiguousarray(centroids)
+        return (
+            np.ascontiguousarray(prototypes.T, dtype=np.float64),
+            np.ascontiguousarray(centroids, dtype=np.float64),
+        )
 
     def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
         prototypes_t, _ = state
-        scores: Float32Array = queries @ prototypes_t
-        return scores
+        return (queries.astype(np.float64) @ prototypes_t).astype(np.float32)
 
     def gate(
         self,
@@ -274,8 +279,8 @@ class PrototypeScoring(ScoringMode):
     ) -> Float32Array:
         if oos_score == "centroid":
             _, centroids = state
-            gated: Float32Array = np.einsum("ij,ij->i", queries, centroids[winners])
-            return gated
+            gated = np.einsum("ij,ij->i", queries.astype(np.float64), centroids[winners])
+            return gated.astype(np.float32)
         return super().gate(state, queries, scores, winners, nearest, oos_score)
 
 
