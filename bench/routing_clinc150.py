@@ -1,5 +1,10 @@
 """CLINC150 routing benchmark: accuracy, route_batch throughput, latency, aurelio side by side.
 
+It also compares the scoring modes (top_k, knn, prototype): accuracy with thresholds fitted
+only on val + oos_val, the extra time per decision over the contract rule at batch 1 and
+1,024, training time, and the training time and peak memory at 1,000 routes x 100
+utterances (synthetic vectors).
+
 Run: `make bench` (or `.venv-bench/bin/python bench/routing_clinc150.py`). Writes its tables
 to BENCHMARKS.md between the `routing-clinc150` markers and prints them.
 """
@@ -13,6 +18,7 @@ import os
 import random
 import sys
 import time
+import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,8 @@ from chatroute import (
     ChatResponse,
     ChatRole,
     EmbeddingGenerator,
+    ProfileIndex,
+    PrototypeScoring,
     ScoreAggregation,
     SemanticRoutingChatClient,
     SentenceTransformerEmbedder,
@@ -158,6 +166,8 @@ async def chatroute_side(
         )
         out["accuracy"].append((title, metrics_row(before), metrics_row(after)))
 
+    await scoring_modes(args, parts, cached, clients, default, out)
+
     # throughput and latency: the real embedder, no cache, top_k=5 mean
     router = SemanticRoutingChatClient(
         embedder,
@@ -186,6 +196,99 @@ async def chatroute_side(
         lat.append((time.perf_counter() - t0) * 1000)
     out["cr_lat_p50"], out["cr_lat_p99"] = pct(lat, 0.5), pct(lat, 0.99)
     await embedder.aclose()
+
+
+MODES = ("top_k", "knn", "prototype")
+
+
+async def per_decision_us(
+    router: SemanticRoutingChatClient, vectors: np.ndarray, batch: int
+) -> float:
+    """Best-of-3 microseconds per decision of `route_embeddings` (no encoder) at `batch`."""
+    best = float("inf")
+    rounds = max(1, min(len(vectors) // batch, 1000 // batch if batch < 1000 else 4))
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for start in range(rounds):
+            await router.route_embeddings(vectors[start * batch : (start + 1) * batch])
+        best = min(best, (time.perf_counter() - t0) / (rounds * batch) * 1e6)
+    return best
+
+
+async def scoring_modes(
+    args: argparse.Namespace,
+    parts: dict[str, Any],
+    cached: CachedGenerator,
+    clients: dict[str, RouteClient],
+    default: RouteClient,
+    out: dict[str, Any],
+) -> None:
+    """One row per scoring mode: thresholds fitted on val + oos_val only, then the test."""
+    profiles = {clients[n]: utts for n, utts in parts["profiles"].items()}
+    queries = [q for q, _ in parts["queries"]]
+    labels = [clients[t] if t is not None else None for _, t in parts["queries"]]
+    query_vectors = np.asarray(await cached.generate(queries), dtype=np.float32)
+    rows = []
+    timing: dict[str, dict[int, float]] = {}
+    for mode in MODES:
+        router = SemanticRoutingChatClient(
+            cached,
+            profiles,
+            default,
+            scoring=mode,
+            score_threshold=args.default_threshold,
+            leave_open=True,
+        )
+        await router.prepare()
+        fitted = await calibrate(router, parts["val"], clients)
+        tuned = SemanticRoutingChatClient(
+            cached,
+            profiles,
+            default,
+            scoring=fitted.scoring,
+            route_thresholds=fitted.thresholds,
+            profile_index=router.profile_index,
+            leave_open=True,
+        )
+        decisions = await tuned.route_batch(queries)
+        m = evaluate_decisions(decisions, labels, default_client=default)
+        timing[mode] = {b: await per_decision_us(tuned, query_vectors, b) for b in (1, 1024)}
+        rows.append(
+            {
+                "mode": mode,
+                "oos_score": fitted.oos_score,
+                "top1": m.in_scope_top1,
+                "oos_recall": m.no_route_recall,
+                "overall": m.overall_accuracy,
+                "train_s": router.training_seconds or 0.0,
+            }
+        )
+    for row in rows:
+        row["extra_us_1"] = timing[row["mode"]][1] - timing["top_k"][1]
+        row["extra_us_1024"] = timing[row["mode"]][1024] - timing["top_k"][1024]
+        row["us_1"], row["us_1024"] = timing[row["mode"]][1], timing[row["mode"]][1024]
+    out["modes"] = rows
+    out["modes_scaling"] = scaling_row()
+
+
+def scaling_row(routes: int = 1000, per_route: int = 100, dimension: int = 384) -> dict[str, float]:
+    """Train the prototype head on synthetic clustered unit vectors: seconds, peak MiB."""
+    rng = np.random.default_rng(3)
+    centres = rng.standard_normal((routes, dimension)).astype(np.float32)
+    noise = rng.standard_normal((routes * per_route, dimension)).astype(np.float32)
+    vectors = np.repeat(centres, per_route, axis=0) + 1.5 * noise
+    groups = np.repeat(np.arange(routes, dtype=np.int64), per_route)
+    index = ProfileIndex(vectors, labels=[f"r{g}" for g in groups])
+    del vectors, noise
+    gc.collect()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    trained = index.trained(PrototypeScoring(), groups)
+    seconds = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert trained.head is not None
+    return {"train_s": seconds, "peak_mib": peak / 2**20, "rows": routes * per_route}
 
 
 def raw_side(args: argparse.Namespace, parts: dict[str, Any], out: dict[str, Any]) -> None:
@@ -337,6 +440,51 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
             ["router", "in-scope top-1 %", "in-scope accuracy %", "OOS recall %", "overall %"], rows
         )
     )
+    if "modes" in out:
+        lines += [
+            "",
+            "Scoring modes (`scoring=`), thresholds fitted by `calibrate()` on val + oos_val only "
+            "(3,100 queries), measured on test + oos_test. Extra µs per decision: "
+            "`route_embeddings` (no encoder) minus the contract rule (`top_k`, top_k 1) at the "
+            "same batch size, best of 3.",
+            "",
+            table(
+                [
+                    "scoring",
+                    "OOS score chosen",
+                    "in-scope top-1 %",
+                    "OOS recall %",
+                    "overall %",
+                    "µs/decision b=1",
+                    "extra µs b=1",
+                    "µs/decision b=1024",
+                    "extra µs b=1024",
+                    "training s",
+                ],
+                [
+                    [
+                        r["mode"],
+                        r["oos_score"],
+                        fmt(100 * r["top1"]),
+                        fmt(100 * r["oos_recall"]),
+                        fmt(100 * r["overall"]),
+                        fmt(r["us_1"]),
+                        fmt(r["extra_us_1"]),
+                        fmt(r["us_1024"], 2),
+                        fmt(r["extra_us_1024"], 2),
+                        fmt(r["train_s"], 2),
+                    ]
+                    for r in out["modes"]
+                ],
+            ),
+        ]
+        sc = out["modes_scaling"]
+        lines += [
+            "",
+            f"Scaling: `prototype` training on 1,000 routes x 100 utterances ({sc['rows']:,} "
+            f"synthetic 384-d vectors): {sc['train_s']:.1f} s, peak traced memory "
+            f"{sc['peak_mib']:.0f} MiB.",
+        ]
     lines += ["", "Throughput and latency (same process, same model):", ""]
     trows = [
         [

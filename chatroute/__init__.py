@@ -60,20 +60,26 @@ from chatroute.index import (
     ProfileIndexError,
 )
 from chatroute.router import (
+    SCORING_MODES,
     CalibrationMetrics,
     CalibrationReport,
     CalibrationResult,
+    KnnScoring,
     ProfileOverlapWarning,
+    PrototypeScoring,
     RouteDecision,
     RouteMatch,
     RoutingChatClient,
     RoutingContext,
     ScoreAggregation,
+    ScoringMode,
     SemanticRoutingChatClient,
+    TopKScoring,
     apply_thresholds,
     calibrate,
     evaluate_decisions,
     fit_route_thresholds,
+    make_scoring,
 )
 
 if TYPE_CHECKING:
@@ -122,6 +128,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "SCORING_MODES",
     "AnthropicChatClient",
     "BreakerSettings",
     "BreakerSnapshot",
@@ -160,11 +167,13 @@ __all__ = [
     "HostedFileContent",
     "IndexFormatError",
     "InvalidEmbeddingError",
+    "KnnScoring",
     "OpenAIChatClient",
     "OrderedFailoverChatClient",
     "ProfileIndex",
     "ProfileIndexError",
     "ProfileOverlapWarning",
+    "PrototypeScoring",
     "ProviderError",
     "ProviderTimeoutError",
     "RouteDecision",
@@ -172,6 +181,7 @@ __all__ = [
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
+    "ScoringMode",
     "Selection",
     "SemanticRoutingChatClient",
     "SentenceTransformerEmbedder",
@@ -179,6 +189,7 @@ __all__ = [
     "TextContent",
     "TextReasoningContent",
     "TimeoutChatClient",
+    "TopKScoring",
     "TruncatedStreamError",
     "UriContent",
     "UsageDetails",
@@ -188,4 +199,5 @@ __all__ = [
     "classify",
     "evaluate_decisions",
     "fit_route_thresholds",
+    "make_scoring",
 ]

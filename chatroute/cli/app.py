@@ -234,9 +234,7 @@ def fit(
         note(f"warning: {warning}")
     note(report)
     chosen = document.get("oos_score")
-    if chosen is not None and chosen != (settings.routing.oos_score or chosen):
-        note(f"the thresholds fit the out-of-scope score {chosen}: set routing.oos_score: {chosen}")
-    elif chosen is not None and settings.routing.oos_score is None:
+    if chosen is not None and chosen != settings.routing.oos_score:
         note(f"the thresholds fit the out-of-scope score {chosen}: set routing.oos_score: {chosen}")
     text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     if output is None:
@@ -251,7 +249,7 @@ def index_build(
     config: ConfigOption,
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to save into.")],
 ) -> None:
-    """Embed every route utterance, train the scoring head and save both (reusing what is unchanged)."""
+    """Embed every route utterance, train the scoring head, save both (reusing what is kept)."""
     from chatroute.index import ProfileIndex
 
     settings = _config(config)

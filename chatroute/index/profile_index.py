@@ -156,9 +156,7 @@ class ProfileIndex:
         other._head = head
         return other
 
-    def trained(
-        self, trainer: HeadTrainer, groups: npt.ArrayLike | None = None
-    ) -> ProfileIndex:
+    def trained(self, trainer: HeadTrainer, groups: npt.ArrayLike | None = None) -> ProfileIndex:
         """This index with a head trained by `trainer`, reusing its own when the key matches.
 
         `groups[i]` is the route column of row i (by default: the labels, numbered in order
@@ -553,7 +551,9 @@ def _read_head(folder: Path, entry: Any) -> TrainedHead | None:
             raise ValueError("the head entry has no training time")
         return TrainedHead(mode, settings, key, arrays, float(seconds))
     except (OSError, ValueError, KeyError) as exc:
-        logger.warning("ignoring the saved scoring head at %s (%s); it will be retrained", folder, exc)
+        logger.warning(
+            "ignoring the saved scoring head at %s (%s); it will be retrained", folder, exc
+        )
         return None
 
 

@@ -174,7 +174,8 @@ class KnnScoring(ScoringMode):
         # Each route's own best term is exp(0) = 1, so the sum never underflows to 0.
         sums = np.add.reduceat(weights, starts, axis=1)
         out = best + temperature * np.log(sums / counts)
-        return np.clip(out, -1.0, 1.0).astype(np.float32, copy=False)
+        clipped: Float32Array = np.clip(out, -1.0, 1.0).astype(np.float32)
+        return clipped
 
 
 class PrototypeScoring(ScoringMode):
@@ -266,7 +267,8 @@ class PrototypeScoring(ScoringMode):
 
     def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
         prototypes_t, _ = state
-        return (queries.astype(np.float64) @ prototypes_t).astype(np.float32)
+        scores: Float32Array = (queries.astype(np.float64) @ prototypes_t).astype(np.float32)
+        return scores
 
     def gate(
         self,
@@ -280,7 +282,8 @@ class PrototypeScoring(ScoringMode):
         if oos_score == "centroid":
             _, centroids = state
             gated = np.einsum("ij,ij->i", queries.astype(np.float64), centroids[winners])
-            return gated.astype(np.float32)
+            result: Float32Array = gated.astype(np.float32)
+            return result
         return super().gate(state, queries, scores, winners, nearest, oos_score)
 
 
@@ -328,7 +331,8 @@ def _centroids(vectors: Float32Array, groups: Int64Array, routes: int) -> Float3
     empty = norms < 1e-6
     sums[empty] = vectors[first[empty]]
     norms[empty] = np.linalg.norm(sums[empty], axis=1)
-    return (sums / norms[:, None]).astype(np.float32)
+    unit: Float32Array = (sums / norms[:, None]).astype(np.float32)
+    return unit
 
 
 def _train_cosine_classifier(
