@@ -70,21 +70,27 @@ from chatroute.index import (
     ProfileIndexError,
 )
 from chatroute.router import (
+    SCORING_MODES,
     CalibrationMetrics,
     CalibrationReport,
     CalibrationResult,
+    KnnScoring,
     ProfileOverlapWarning,
+    PrototypeScoring,
     RouteDecision,
     RouteMatch,
     Router,
     RoutingChatClient,
     RoutingContext,
     ScoreAggregation,
+    ScoringMode,
     SemanticRoutingChatClient,
+    TopKScoring,
     apply_thresholds,
     calibrate,
     evaluate_decisions,
     fit_route_thresholds,
+    make_scoring,
 )
 
 if TYPE_CHECKING:
@@ -111,6 +117,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "SCORING_MODES",
     "AnthropicChatClient",
     "BreakerSettings",
     "BreakerSnapshot",
@@ -150,11 +157,13 @@ __all__ = [
     "HostedFileContent",
     "IndexFormatError",
     "InvalidEmbeddingError",
+    "KnnScoring",
     "OpenAIChatClient",
     "OrderedFailoverChatClient",
     "ProfileIndex",
     "ProfileIndexError",
     "ProfileOverlapWarning",
+    "PrototypeScoring",
     "ProviderError",
     "ProviderTimeoutError",
     "RouteDecision",
@@ -163,6 +172,7 @@ __all__ = [
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
+    "ScoringMode",
     "Selection",
     "SemanticRoutingChatClient",
     "SentenceTransformerEmbedder",
@@ -170,6 +180,7 @@ __all__ = [
     "TextContent",
     "TextReasoningContent",
     "TimeoutChatClient",
+    "TopKScoring",
     "TruncatedStreamError",
     "UriContent",
     "UsageDetails",
@@ -180,4 +191,5 @@ __all__ = [
     "classify_failure",
     "evaluate_decisions",
     "fit_route_thresholds",
+    "make_scoring",
 ]

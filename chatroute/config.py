@@ -130,9 +130,19 @@ class EmbedderConfig(_Strict):
 
 class RoutingConfig(_Strict):
     """How requests are routed: the policy (`semantic`: by similarity to each route's
-    utterances), how it scores routes, and where unmatched requests go."""
+    utterances), how it scores routes, and where unmatched requests go.
+
+    `scoring` picks the scoring mode: "prototype" (one learned vector per route, trained
+    when the profile index is built), "knn" (a softmax-weighted vote of every utterance)
+    or "top_k" (the global top-K hits aggregated by `aggregation`). `oos_score` is the
+    score a winner's threshold is compared with (None: the mode's default; `chatroute
+    fit` reports the one that fits best). With a mode other than "top_k", `top_k` only
+    sets how many nearest utterances an answer lists.
+    """
 
     policy: Name = "semantic"
+    scoring: Literal["prototype", "knn", "top_k"] = "prototype"
+    oos_score: Literal["centroid", "prototype", "nearest", "route", "aggregate"] | None = None
     top_k: int = Field(default=5, ge=1)
     aggregation: Literal["mean", "sum", "max"] = "mean"
     threshold: float = Field(default=0.3, allow_inf_nan=False)
@@ -468,12 +478,29 @@ class ChatrouteConfig(_Strict):
             )
         if not any(route.utterances for route in self.routes.values()):
             problems.append(("routes", "at least one route needs utterances"))
-        limit = self.routing.top_k if self.routing.aggregation == "sum" else 1
+        routing = self.routing
+        sums = routing.aggregation == "sum" and routing.scoring == "top_k"
+        limit = routing.top_k if sums else 1
+        if routing.oos_score is not None:
+            from chatroute.router.scoring import SCORING_MODES
+
+            offered = SCORING_MODES[routing.scoring].oos_scores
+            if routing.oos_score not in offered:
+                problems.append(
+                    (
+                        "routing.oos_score",
+                        f"the {routing.scoring!r} scoring mode has no out-of-scope score "
+                        f"{routing.oos_score!r}; use one of {', '.join(offered)}",
+                    )
+                )
         if not -limit <= self.routing.threshold <= limit or math.isnan(self.routing.threshold):
             problems.append(
                 (
                     "routing.threshold",
-                    f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation",
+                    f"must lie in [-{limit}, {limit}] for {self.routing.aggregation} aggregation"
+                    if routing.scoring == "top_k"
+                    else f"must lie in [-1, 1] for the {routing.scoring!r} scoring mode "
+                    "(sum aggregation applies to 'top_k' scoring only)",
                 )
             )
         redis_url = self.shared_state.redis_url(env)

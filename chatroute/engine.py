@@ -18,6 +18,7 @@ from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
 from chatroute.router.decision import RouteDecision, ScoreAggregation
 from chatroute.router.policy import Router
+from chatroute.router.scoring import make_scoring
 from chatroute.router.semantic import SemanticRoutingChatClient
 from chatroute.tracing import RecordingFailoverChatClient
 
@@ -130,9 +131,14 @@ class Engine:
         changed. Without an index path the router builds its index on first use.
         """
         index_path = self.config.routing.index_path
-        if index_path is not None and getattr(self.router, "profile_index", None) is None:
+        router = self.router
+        if (
+            index_path is not None
+            and isinstance(router, SemanticRoutingChatClient)
+            and router.profile_index is None
+        ):
             index = await ProfileIndex.load_or_build(
-                index_path, self.embedder, self.profile_entries()
+                index_path, self.embedder, self.profile_entries(), scoring=router.scoring
             )
             self.router = self.make_router(index)
 
@@ -184,6 +190,7 @@ def semantic_router(engine: Engine, profile_index: ProfileIndex | None) -> Route
         leave_open=True,
         route_thresholds=thresholds or None,
         profile_index=profile_index,
+        scoring=make_scoring(routing.scoring, oos_score=routing.oos_score),
     )
 
 

@@ -192,6 +192,8 @@ def test_fit_writes_thresholds_the_config_can_use(config_file: Path, tmp_path: P
     document = json.loads(thresholds.read_text())
     assert set(document["thresholds"]) <= {"code", "math", "general"}
     assert document["thresholds"] and document["report"]["after"]["examples"] == 7
+    assert document["scoring"] == "prototype"
+    assert document["oos_score"] in ("prototype", "centroid", "nearest")
     # The config picks the file up: routing then uses the fitted per-route thresholds.
     config = yaml.safe_load(config_file.read_text())
     config["routing"]["thresholds_file"] = "thresholds.json"
@@ -206,7 +208,9 @@ def test_index_build_persists_the_profile_index(config_file: Path, tmp_path: Pat
     result = run("index", "build", "-c", config_file, "-o", target)
     assert result.exit_code == 0, result.output
     assert "7 utterances" in result.output
+    assert "scoring prototype: head trained in" in result.output
     saved = sorted(p.name for p in target.iterdir())
+    assert "head.npz" in saved  # the service's default mode trains and saves its head
     assert saved  # the vectors and their manifest
     config = yaml.safe_load(config_file.read_text())
     config["routing"]["index_path"] = "index"

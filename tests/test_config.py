@@ -134,8 +134,11 @@ def test_invalid_configs_name_the_key(change: Any, expected: str) -> None:
 
 def test_sum_aggregation_allows_thresholds_up_to_top_k() -> None:
     data = base()
-    data["routing"].update(aggregation="sum", threshold=2.5, top_k=3)
+    data["routing"].update(aggregation="sum", threshold=2.5, top_k=3, scoring="top_k")
     assert parse_config(data, environ={}).routing.threshold == 2.5
+    # Sums only exist in top_k scoring: under the service's default mode it is out of range.
+    del data["routing"]["scoring"]
+    assert any("'prototype' scoring mode" in p for p in problems(data))
 
 
 def test_yaml_errors_and_missing_files(tmp_path: Path) -> None:

@@ -236,6 +236,9 @@ def fit(
     for warning in notes:
         note(f"warning: {warning}")
     note(report)
+    chosen = document.get("oos_score")
+    if chosen is not None and chosen != settings.routing.oos_score:
+        note(f"the thresholds fit the out-of-scope score {chosen}: set routing.oos_score: {chosen}")
     text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     if output is None:
         typer.echo(text, nl=False)
@@ -249,17 +252,26 @@ def index_build(
     config: ConfigOption,
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to save into.")],
 ) -> None:
-    """Embed every route utterance and save the profile index (reusing unchanged vectors)."""
+    """Embed every route utterance, train the scoring head, save both (reusing what is kept)."""
     from chatroute.index import ProfileIndex
+    from chatroute.router.scoring import make_scoring
 
     settings = _config(config)
     checks.index_folder("--output", output)
 
     async def work(engine: Engine) -> ProfileIndex:
-        return await ProfileIndex.load_or_build(output, engine.embedder, engine.profile_entries())
+        scoring = make_scoring(settings.routing.scoring, oos_score=settings.routing.oos_score)
+        return await ProfileIndex.load_or_build(
+            output, engine.embedder, engine.profile_entries(), scoring=scoring
+        )
 
     index = _run_engine(settings, work)
     note(f"profile index: {len(index)} utterances, dimension {index.dimension}, saved in {output}")
+    scoring = settings.routing.scoring
+    if index.head is not None:
+        note(f"scoring {scoring}: head trained in {index.head.train_seconds:.2f} s")
+    else:
+        note(f"scoring {scoring}: nothing to train")
 
 
 @app.command()

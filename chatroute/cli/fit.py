@@ -74,9 +74,15 @@ async def fit_file(
 
 
 def thresholds_document(engine: Engine, result: CalibrationResult) -> dict[str, Any]:
-    """The JSON document `routing.thresholds_file` reads: thresholds by route, and the report."""
+    """The JSON document `routing.thresholds_file` reads: thresholds by route, and the report.
+
+    `scoring` and `oos_score` say what the thresholds were fitted for: set
+    `routing.oos_score` to that `oos_score` so that the service gates on the same score.
+    """
     return {
         "format": THRESHOLDS_FORMAT,
+        "scoring": result.report.scoring,
+        "oos_score": result.oos_score,
         "thresholds": result.thresholds_by_name(engine.routes),
         "report": result.report.to_dict(),
     }

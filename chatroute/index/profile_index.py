@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +25,7 @@ from chatroute.index.backends import (
     faiss_has_gpu,
 )
 from chatroute.index.errors import FingerprintMismatchError, IndexFormatError
+from chatroute.index.head import HeadTrainer, TrainedHead, head_key, route_groups
 from chatroute.index.vectors import as_embedding_matrix, l2_normalize_rows
 
 __all__ = ["Backend", "ProfileIndex"]
@@ -34,6 +38,9 @@ _FORMAT = "chatroute-profile-index"
 _FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _VECTORS = "vectors.npy"
+_HEAD = "head.npz"
+logger = logging.getLogger("chatroute.index")
+
 # Extra candidates fetched beyond k, so that a tie at the k-th score rarely needs a re-search.
 _MIN_MARGIN = 32
 
@@ -49,6 +56,8 @@ class ProfileIndex:
 
     `utterances`, `labels` (route names) and `fingerprint` (the embedding model that made
     the vectors) are optional metadata; `save` needs the utterances and the fingerprint.
+    `head` is the trained scoring head kept with the index (see `trained`), saved and
+    loaded with it.
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class ProfileIndex:
         fingerprint: EmbeddingFingerprint | None = None,
         device: str | None = None,
         backend: Backend = "auto",
+        head: TrainedHead | None = None,
         _normalized: bool = False,
     ) -> None:
         matrix = np.asarray(vectors, dtype=np.float32)
@@ -84,6 +94,9 @@ class ProfileIndex:
                     f"the fingerprint says dimension {fingerprint.dimension}, "
                     f"the vectors have {dimension}"
                 )
+        if head is not None and not isinstance(head, TrainedHead):
+            raise TypeError("head must be a TrainedHead")
+        self._head = head
         self._fingerprint = fingerprint
         self._vectors = matrix
         self._device = _resolve_device(device)
@@ -124,6 +137,57 @@ class ProfileIndex:
     def fingerprint(self) -> EmbeddingFingerprint | None:
         """The embedding model that made the vectors, when known."""
         return self._fingerprint
+
+    @property
+    def head(self) -> TrainedHead | None:
+        """The trained scoring head kept with the index, if any."""
+        return self._head
+
+    @property
+    def train_seconds(self) -> float | None:
+        """How long training the head took (None without a head)."""
+        return None if self._head is None else self._head.train_seconds
+
+    def with_head(self, head: TrainedHead | None) -> ProfileIndex:
+        """This index with `head` instead of its own (the vectors and search are shared)."""
+        if head is not None and not isinstance(head, TrainedHead):
+            raise TypeError("head must be a TrainedHead")
+        other = copy.copy(self)
+        other._head = head
+        return other
+
+    def trained(self, trainer: HeadTrainer, groups: npt.ArrayLike | None = None) -> ProfileIndex:
+        """This index with a head trained by `trainer`, reusing its own when the key matches.
+
+        `groups[i]` is the route column of row i (by default: the labels, numbered in order
+        of first appearance). A head made with other settings, other vectors or other
+        groups is never reused: it is retrained, and the retraining is logged.
+        """
+        if not trainer.trains:
+            return self if self._head is None else self.with_head(None)
+        if groups is None:
+            if self._labels is None:
+                raise ValueError("training a head needs the labels or explicit route groups")
+            groups = route_groups(self._labels)
+        columns = np.ascontiguousarray(groups, dtype=np.int64)
+        if columns.shape != (len(self),):
+            raise ValueError(f"{columns.shape[0]} route groups for {len(self)} profile rows")
+        key = head_key(trainer, self._vectors, columns)
+        if self._head is not None and self._head.key == key:
+            return self
+        if self._head is not None:
+            logger.warning(
+                "the saved %r scoring head was trained on other profiles or settings; "
+                "retraining a %r head",
+                self._head.mode,
+                trainer.name,
+            )
+        started = time.perf_counter()
+        head = trainer.train(self._vectors, columns, key)
+        elapsed = time.perf_counter() - started
+        head = TrainedHead(head.mode, dict(head.settings), key, dict(head.arrays), elapsed)
+        logger.info("trained the %r scoring head in %.3f s", head.mode, elapsed)
+        return self.with_head(head)
 
     @property
     def device(self) -> str:
@@ -211,6 +275,20 @@ class ProfileIndex:
         with open(vectors_tmp, "wb") as fh:
             np.save(fh, self._vectors, allow_pickle=False)
         os.replace(vectors_tmp, folder / _VECTORS)
+        head_entry: dict[str, Any] | None = None
+        if self._head is not None:
+            head_tmp = folder / f".{_HEAD}.{os.getpid()}.tmp"
+            arrays = {name: np.ascontiguousarray(a) for name, a in self._head.arrays.items()}
+            with open(head_tmp, "wb") as fh:
+                np.savez(fh, **arrays)  # type: ignore[arg-type]
+            os.replace(head_tmp, folder / _HEAD)
+            head_entry = {
+                "mode": self._head.mode,
+                "settings": dict(self._head.settings),
+                "key": self._head.key,
+                "train_seconds": self._head.train_seconds,
+                "arrays_sha256": _arrays_digest(arrays),
+            }
         manifest = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
@@ -220,6 +298,7 @@ class ProfileIndex:
             "vectors_sha256": _digest(self._vectors),
             "utterances": list(self._utterances),
             "labels": list(self._labels) if self._labels is not None else None,
+            "head": head_entry,
         }
         manifest_tmp = folder / f".{_MANIFEST}.{os.getpid()}.tmp"
         manifest_tmp.write_text(json.dumps(manifest, ensure_ascii=False), encoding="utf-8")
@@ -277,6 +356,7 @@ class ProfileIndex:
                 fingerprint=saved,
                 device=device,
                 backend=backend,
+                head=_read_head(folder, manifest.get("head")),
                 _normalized=True,
             )
         except (TypeError, ValueError) as exc:
@@ -346,12 +426,17 @@ class ProfileIndex:
         *,
         device: str | None = None,
         backend: Backend = "auto",
+        scoring: HeadTrainer | None = None,
     ) -> ProfileIndex:
         """The index for `entries`, reusing what is saved at `path`, and saved back there.
 
         A saved index made by another model, or an unreadable one, is ignored and
         everything is embedded again. Only pairs the saved index lacks are embedded. The
         result is saved when it differs from what was on disk (it needs a fingerprint).
+
+        With a `scoring` mode that trains, the index carries its head: the saved head when
+        it was trained on the same vectors, routes and settings, else a new one (the
+        retraining is logged), saved with the index.
         """
         previous: ProfileIndex | None = None
         if (Path(path) / _MANIFEST).exists():
@@ -362,10 +447,16 @@ class ProfileIndex:
         index = await cls.build(
             generator, entries, previous=previous, device=device, backend=backend
         )
+        if scoring is not None:
+            if previous is not None and previous.head is not None:
+                index = index.with_head(previous.head)
+            index = index.trained(scoring)
         unchanged = (
             previous is not None
             and previous.labels == index.labels
             and previous.utterances == index.utterances
+            and (previous.head.key if previous.head else None)
+            == (index.head.key if index.head else None)
         )
         if not unchanged and index.fingerprint is not None:
             index.save(path)
@@ -427,6 +518,43 @@ def _order_ties(scores: Float32Array, ids: Int64Array) -> tuple[Float32Array, In
 
 def _digest(vectors: Float32Array) -> str:
     return hashlib.sha256(np.ascontiguousarray(vectors).tobytes()).hexdigest()
+
+
+def _arrays_digest(arrays: dict[str, Float32Array]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode("utf-8"))
+        digest.update(str(arrays[name].shape).encode("ascii"))
+        digest.update(np.ascontiguousarray(arrays[name], dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def _read_head(folder: Path, entry: Any) -> TrainedHead | None:
+    """The saved head, or None (logged) when it is missing or damaged: it is retrained then."""
+    if entry is None:
+        return None
+    try:
+        if not isinstance(entry, dict):
+            raise ValueError("the head entry is not an object")
+        with np.load(folder / _HEAD, allow_pickle=False) as archive:
+            arrays = {name: np.asarray(archive[name], dtype=np.float32) for name in archive.files}
+        if _arrays_digest(arrays) != entry.get("arrays_sha256"):
+            raise ValueError("the head arrays do not match their manifest hash")
+        for array in arrays.values():
+            if not np.isfinite(array).all():
+                raise ValueError("the head arrays hold NaN or infinite values")
+        settings, key = entry.get("settings"), entry.get("key")
+        mode, seconds = entry.get("mode"), entry.get("train_seconds")
+        if not isinstance(settings, dict) or not isinstance(key, str) or not isinstance(mode, str):
+            raise ValueError("the head entry has fields of the wrong type")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise ValueError("the head entry has no training time")
+        return TrainedHead(mode, settings, key, arrays, float(seconds))
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning(
+            "ignoring the saved scoring head at %s (%s); it will be retrained", folder, exc
+        )
+        return None
 
 
 def _fingerprint_of(

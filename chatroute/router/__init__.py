@@ -14,22 +14,36 @@ from chatroute.router.calibration import (
 from chatroute.router.context import RoutingContext
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
 from chatroute.router.policy import Router
+from chatroute.router.scoring import (
+    SCORING_MODES,
+    KnnScoring,
+    PrototypeScoring,
+    ScoringMode,
+    TopKScoring,
+    make_scoring,
+)
 from chatroute.router.semantic import SemanticRoutingChatClient
 
 __all__ = [
+    "SCORING_MODES",
     "CalibrationMetrics",
     "CalibrationReport",
     "CalibrationResult",
+    "KnnScoring",
     "ProfileOverlapWarning",
+    "PrototypeScoring",
     "RouteDecision",
     "RouteMatch",
     "Router",
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
+    "ScoringMode",
     "SemanticRoutingChatClient",
+    "TopKScoring",
     "apply_thresholds",
     "calibrate",
     "evaluate_decisions",
     "fit_route_thresholds",
+    "make_scoring",
 ]

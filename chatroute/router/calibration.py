@@ -16,6 +16,15 @@ Model. A route r gets the threshold `t_r = mu_r + c`:
 The fit is deterministic: no sampling, ties between equally good offsets go to the middle
 candidate. It only re-thresholds decisions: the winning route of a query never changes,
 so the in-scope top-1 accuracy is the ceiling of the in-scope accuracy.
+
+Out-of-scope score. `calibrate` fits thresholds once for each out-of-scope score the
+router's scoring mode offers (`ScoringMode.oos_scores`: for "prototype" the winner's
+centroid cosine, its prototype cosine and the nearest profile's cosine; for "knn" the
+winner's score and the nearest profile's cosine; "top_k" has only its aggregate), on one
+embedding of the examples, and keeps the one whose fit scores best on the fit's own
+objective (the weighted accuracy; the mode's default wins ties). The result names it
+(`oos_score`, and `scoring`: the router's mode gating on it) and the report gives every
+candidate's objective.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from chatroute.chat.client import ChatClient
-from chatroute.router.decision import RouteDecision, ScoreAggregation
+from chatroute.router.decision import RouteDecision
+from chatroute.router.scoring import ScoringMode
 from chatroute.router.semantic import SemanticRoutingChatClient
 
 __all__ = [
@@ -85,6 +95,9 @@ class CalibrationReport:
     no_route_share: float | None
     prior_strength: float
     profile_overlaps: int
+    scoring: str = "top_k"
+    oos_score: str | None = None
+    oos_score_objectives: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict of the report."""
@@ -102,6 +115,10 @@ class CalibrationReport:
         lines = [f"{'metric':<20}{'before':>10}{'after':>10}"]
         for name, before, after in rows:
             lines.append(f"{name:<20}{_fmt(before):>10}{_fmt(after):>10}")
+        tried = self.oos_score_objectives or {}
+        if len(tried) > 1:
+            scores = ", ".join(f"{name} {_fmt(value)}" for name, value in tried.items())
+            lines.append(f"scoring {self.scoring}: out-of-scope score {self.oos_score} ({scores})")
         return "\n".join(lines)
 
 
@@ -111,6 +128,12 @@ class CalibrationResult:
 
     thresholds: dict[ChatClient, float]
     report: CalibrationReport
+    scoring: ScoringMode | None = None
+
+    @property
+    def oos_score(self) -> str | None:
+        """The out-of-scope score the thresholds were fitted for (None: not known)."""
+        return self.report.oos_score
 
     def thresholds_by_name(self, routes: Mapping[str, ChatClient]) -> dict[str, float]:
         """The thresholds keyed by route name, for the names in `routes` that have one."""
@@ -142,19 +165,37 @@ async def calibrate(
     texts, labels = _split_examples(examples, routes)
     utterances = {utterance for _, utterance in router.profiles}
     overlaps = sum(1 for text in texts if text in utterances)
-    decisions = await router.route_batch(texts)
-    limit = float(router.top_k) if router.score_aggregation is ScoreAggregation.SUM else 1.0
-    return _fit(
-        decisions,
-        labels,
-        default_client=router.default_client,
-        routes=router.clients,
-        score_limit=limit,
-        no_route_share=no_route_share,
-        prior_strength=prior_strength,
-        overlaps=overlaps,
-        stacklevel=3,
+    mode = router.scoring
+    candidates = await _decisions_per_oos_score(router, texts)
+    results: dict[str, CalibrationResult] = {}
+    objectives: dict[str, float] = {}
+    for position, (name, decisions) in enumerate(candidates.items()):
+        fitted = _fit(
+            decisions,
+            labels,
+            default_client=router.default_client,
+            routes=router.clients,
+            score_limit=router.score_limit,
+            no_route_share=no_route_share,
+            prior_strength=prior_strength,
+            overlaps=overlaps,
+            stacklevel=3,
+            warn=position == 0,
+        )
+        results[name] = fitted
+        objectives[name] = _objective(fitted.report.after, no_route_share)
+    # The router's own score first, so that it wins ties.
+    chosen = max(objectives, key=lambda name: (objectives[name], name == mode.oos_score))
+    result = results[chosen]
+    before = results[mode.oos_score].report.before
+    report = replace(
+        result.report,
+        before=before,
+        scoring=mode.name,
+        oos_score=chosen,
+        oos_score_objectives=objectives,
     )
+    return CalibrationResult(result.thresholds, report, mode.with_oos_score(chosen))
 
 
 def fit_route_thresholds(
@@ -257,6 +298,42 @@ def evaluate_decisions(
 # -- internals ----------------------------------------------------------------------------
 
 
+async def _decisions_per_oos_score(
+    router: SemanticRoutingChatClient, texts: list[str]
+) -> dict[str, list[RouteDecision]]:
+    """The decisions on `texts` under each out-of-scope score, from one embedding call."""
+    mode = router.scoring
+    names = [mode.oos_score, *(name for name in mode.oos_scores if name != mode.oos_score)]
+    if len(names) == 1:
+        return {names[0]: await router.route_batch(texts)}
+    usable = [position for position, text in enumerate(texts) if text and not text.isspace()]
+    fallback = await router.route_batch([""])
+    raw = None
+    if usable:
+        await router.prepare()
+        raw = await router.embedding_generator.generate([texts[p] for p in usable])
+    out: dict[str, list[RouteDecision]] = {}
+    for name in names:
+        decisions = [fallback[0]] * len(texts)
+        if raw is not None:
+            for position, decision in zip(
+                usable, await router.route_embeddings(raw, oos_score=name), strict=True
+            ):
+                decisions[position] = decision
+        out[name] = decisions
+    return out
+
+
+def _objective(metrics: CalibrationMetrics, no_route_share: float | None) -> float:
+    """What the fit maximises: the weighted accuracy (plain accuracy without a share)."""
+    if no_route_share is None or math.isnan(metrics.no_route_recall):
+        return metrics.overall_accuracy
+    if math.isnan(metrics.in_scope_accuracy):
+        return metrics.no_route_recall
+    share = float(no_route_share)
+    return (1.0 - share) * metrics.in_scope_accuracy + share * metrics.no_route_recall
+
+
 def _split_examples(
     examples: Sequence[tuple[str, str | ChatClient | None]],
     routes: Mapping[str, ChatClient] | None,
@@ -297,6 +374,7 @@ def _fit(
     prior_strength: float,
     overlaps: int,
     stacklevel: int,
+    warn: bool = True,
 ) -> CalibrationResult:
     if len(decisions) != len(labels):
         raise ValueError(f"{len(labels)} labels for {len(decisions)} decisions")
@@ -306,7 +384,7 @@ def _fit(
         raise ValueError(f"prior_strength must be a number >= 0, got {prior_strength}")
     if not score_limit > 0.0:
         raise ValueError(f"score_limit must be positive, got {score_limit}")
-    if overlaps:
+    if overlaps and warn:
         warnings.warn(
             f"{overlaps} of the {len(decisions)} calibration queries are profile utterances; "
             "they match themselves with a score of about 1 and make the fitted thresholds "
@@ -388,6 +466,7 @@ def _fit(
         no_route_share=no_route_share,
         prior_strength=float(prior_strength),
         profile_overlaps=overlaps,
+        scoring=decisions[0].scoring,
     )
     return CalibrationResult(thresholds=thresholds, report=report)
 

@@ -44,6 +44,12 @@ class RouteDecision:
       search ran.
     - `threshold`: the threshold the winner's aggregate was compared with; None when no
       search ran.
+    - `scoring`: the name of the scoring mode that made the decision ("top_k", "knn",
+      "prototype", ...).
+
+    With a scoring mode other than "top_k", `score` is the winner's out-of-scope score
+    (the one its threshold is compared with), `scores` holds the best routes' scores
+    (the winner first, then by score) and `matches` the `top_k` nearest utterances.
     """
 
     client: ChatClient
@@ -53,3 +59,4 @@ class RouteDecision:
     is_default: bool = True
     winner: ChatClient | None = None
     threshold: float | None = None
+    scoring: str = "top_k"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,8 +26,14 @@ from chatroute.index import (
 from chatroute.router.base import RoutingChatClient, close_each_once
 from chatroute.router.context import RoutingContext
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
+from chatroute.router.scoring import ScoringMode, TopKScoring, make_scoring, pick_winners
 
 __all__ = ["SemanticRoutingChatClient"]
+
+logger = logging.getLogger("chatroute.router")
+
+# Routes a learned mode reports in `RouteDecision.scores` (at least; `top_k` if larger).
+_REPORTED_ROUTES = 5
 
 # Searches or builds bigger than this many vector elements leave the event loop for a thread.
 _OFFLOAD_ELEMENTS = 1 << 22
@@ -52,6 +59,14 @@ class SemanticRoutingChatClient(RoutingChatClient):
       skipped.
     - `index_device` / `index_backend`: where the index searches. By default it follows
       the generator's `device` attribute when that is a CUDA device, else the CPU.
+    - `scoring`: how routes are scored, a name from `SCORING_MODES` or a `ScoringMode`
+      ("top_k", the rule above, by default; "knn"; "prototype"). With another mode than
+      "top_k", every route is scored by the mode, the winner is the best route (scores
+      within 1e-6 of the best count as a tie, won by the route listed first), its
+      out-of-scope score is compared with its threshold, and `top_k` only sets how many
+      nearest utterances a decision lists as `matches`. A mode that trains does so when
+      the index is built (or when a given index carries no head for these profiles and
+      settings), in a worker thread.
 
     `aclose()` closes the clients and the generator unless `leave_open` is set.
     """
@@ -70,6 +85,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
         profile_index: ProfileIndex | None = None,
         index_device: str | None = None,
         index_backend: Backend = "auto",
+        scoring: str | ScoringMode = "top_k",
     ) -> None:
         # SR1, in order.
         if embedding_generator is None:
@@ -94,7 +110,9 @@ class SemanticRoutingChatClient(RoutingChatClient):
             raise ValueError(
                 f"score_aggregation must be a ScoreAggregation member, got {score_aggregation!r}"
             )
-        limit = float(top_k) if score_aggregation is ScoreAggregation.SUM else 1.0
+        mode = make_scoring(scoring)
+        sums = isinstance(mode, TopKScoring) and score_aggregation is ScoreAggregation.SUM
+        limit = float(top_k) if sums else 1.0
         threshold = _check_threshold(score_threshold, limit, "score_threshold")
 
         routes: list[ChatClient] = [default_client]
@@ -140,6 +158,15 @@ class SemanticRoutingChatClient(RoutingChatClient):
         self._pair_routes: tuple[int, ...] = tuple(pair_routes)
         self._utterances: tuple[str, ...] = tuple(utterances)
         self._threshold = threshold
+        self._limit = limit
+        self._scoring = mode
+        column_of: dict[int, int] = {}
+        self._groups = np.asarray(
+            [column_of.setdefault(route, len(column_of)) for route in pair_routes], dtype=np.int64
+        )
+        self._column_routes: tuple[int, ...] = tuple(column_of)
+        self._state: Any = None
+        self._ready: ProfileIndex | None = None
         self._top_k = top_k
         self._aggregation = score_aggregation
         self._leave_open = bool(leave_open)
@@ -175,6 +202,29 @@ class SemanticRoutingChatClient(RoutingChatClient):
         return self._top_k
 
     @property
+    def scoring(self) -> ScoringMode:
+        """The scoring mode."""
+        return self._scoring
+
+    @property
+    def score_limit(self) -> float:
+        """The bound of scores and thresholds: `top_k` for top_k SUM aggregation, else 1."""
+        return self._limit
+
+    @property
+    def training_seconds(self) -> float | None:
+        """How long training the scoring head took (0 for modes that do not train).
+
+        None until the index is ready; for a head reused from a saved index, the time it
+        took when it was trained.
+        """
+        ready = self._ready
+        if ready is None:
+            return None
+        seconds = ready.train_seconds
+        return 0.0 if seconds is None else seconds
+
+    @property
     def score_aggregation(self) -> ScoreAggregation:
         """How a client's hits inside the top-K are combined."""
         return self._aggregation
@@ -204,8 +254,15 @@ class SemanticRoutingChatClient(RoutingChatClient):
 
     @property
     def profile_index(self) -> ProfileIndex | None:
-        """The profile index, once built (or the one given at construction)."""
-        return self._index
+        """The profile index, once built (or the one given at construction).
+
+        Once the router is ready it is the index it searches, with the scoring head.
+        """
+        return self._ready if self._ready is not None else self._index
+
+    async def prepare(self) -> ProfileIndex:
+        """Build the profile index and train the scoring head now, not on first use."""
+        return await self._ensure_index()
 
     def threshold_for(self, client: ChatClient) -> float:
         """The threshold applied when `client` wins."""
@@ -231,6 +288,24 @@ class SemanticRoutingChatClient(RoutingChatClient):
         index = await self._ensure_index()
         raw = await self._generator.generate([query])
         return (await self._decide(index, raw, 1))[0]
+
+    async def route_embeddings(
+        self, embeddings: Any, *, oos_score: str | None = None
+    ) -> list[RouteDecision]:
+        """One decision per query embedding row (made by the router's own model).
+
+        `oos_score` gates on another of the mode's out-of-scope scores than its own (as
+        `calibrate` does to compare them). Zero rows fall back to the default client.
+        """
+        if embeddings is None:
+            raise TypeError("embeddings must not be None")
+        if oos_score is not None:
+            self._scoring._check_oos_score(oos_score)
+        index = await self._ensure_index()
+        rows = int(np.shape(embeddings)[0]) if np.ndim(embeddings) == 2 else -1
+        if rows < 0:
+            raise ValueError("embeddings must be a 2-D matrix, one row per query")
+        return await self._decide(index, embeddings, rows, oos_score)
 
     async def route_batch(self, queries: Sequence[str]) -> list[RouteDecision]:
         """One decision per query, with one embedding call and one index search in all."""
@@ -261,25 +336,37 @@ class SemanticRoutingChatClient(RoutingChatClient):
     # -- internals ------------------------------------------------------------------------
 
     async def _ensure_index(self) -> ProfileIndex:
-        index = self._index
-        if index is not None:
-            return index
+        ready = self._ready
+        if ready is not None:
+            return ready
         async with self._build_lock:
-            if self._index is None:
-                raw = await self._generator.generate(list(self._utterances))
-                vectors = as_embedding_matrix(raw, rows=len(self._utterances), what="profile")
-                fingerprint = _generator_fingerprint(self._generator)
-                if fingerprint is not None and fingerprint.dimension != vectors.shape[1]:
-                    raise InvalidEmbeddingError(
-                        f"the generator's fingerprint says dimension {fingerprint.dimension}, "
-                        f"its profile embeddings have {vectors.shape[1]}"
-                    )
-                if vectors.size >= _OFFLOAD_ELEMENTS:
-                    built = await asyncio.to_thread(self._new_index, vectors, fingerprint)
-                else:
-                    built = self._new_index(vectors, fingerprint)
-                self._index = built
+            if self._ready is None:
+                index = await self._build_index()
+                mode = self._scoring
+                if mode.trains:
+                    index = await asyncio.to_thread(index.trained, mode, self._groups)
+                if not isinstance(mode, TopKScoring):
+                    self._state = mode.prepare(index, self._groups, len(self._column_routes))
+                self._ready = index
+            return self._ready
+
+    async def _build_index(self) -> ProfileIndex:
+        if self._index is not None:
             return self._index
+        raw = await self._generator.generate(list(self._utterances))
+        vectors = as_embedding_matrix(raw, rows=len(self._utterances), what="profile")
+        fingerprint = _generator_fingerprint(self._generator)
+        if fingerprint is not None and fingerprint.dimension != vectors.shape[1]:
+            raise InvalidEmbeddingError(
+                f"the generator's fingerprint says dimension {fingerprint.dimension}, "
+                f"its profile embeddings have {vectors.shape[1]}"
+            )
+        if vectors.size >= _OFFLOAD_ELEMENTS:
+            built = await asyncio.to_thread(self._new_index, vectors, fingerprint)
+        else:
+            built = self._new_index(vectors, fingerprint)
+        self._index = built
+        return built
 
     def _new_index(
         self, vectors: npt.NDArray[np.float32], fingerprint: EmbeddingFingerprint | None
@@ -292,7 +379,9 @@ class SemanticRoutingChatClient(RoutingChatClient):
             backend=self._index_backend,
         )
 
-    async def _decide(self, index: ProfileIndex, raw: Any, rows: int) -> list[RouteDecision]:
+    async def _decide(
+        self, index: ProfileIndex, raw: Any, rows: int, oos_score: str | None = None
+    ) -> list[RouteDecision]:
         matrix = as_embedding_matrix(
             raw, rows=rows, dimension=index.dimension, what="query", allow_zero_rows=True
         )
@@ -301,14 +390,86 @@ class SemanticRoutingChatClient(RoutingChatClient):
         if not live.any():
             return [self._fallback() for _ in range(rows)]
         k = min(self._top_k, len(index))
+        if isinstance(self._scoring, TopKScoring):
+            if normalized.shape[0] * len(index) >= _OFFLOAD_ELEMENTS:
+                scores, ids = await asyncio.to_thread(index.search, normalized, k, normalized=True)
+            else:
+                scores, ids = index.search(normalized, k, normalized=True)
+            return [
+                self._decision(scores[row], ids[row]) if live[row] else self._fallback()
+                for row in range(rows)
+            ]
+        gate = oos_score or self._scoring.oos_score
         if normalized.shape[0] * len(index) >= _OFFLOAD_ELEMENTS:
-            scores, ids = await asyncio.to_thread(index.search, normalized, k, normalized=True)
+            parts = await asyncio.to_thread(self._score, index, normalized, k, gate)
         else:
-            scores, ids = index.search(normalized, k, normalized=True)
+            parts = self._score(index, normalized, k, gate)
         return [
-            self._decision(scores[row], ids[row]) if live[row] else self._fallback()
+            self._learned_decision(parts, row) if live[row] else self._fallback()
             for row in range(rows)
         ]
+
+    def _score(
+        self, index: ProfileIndex, queries: npt.NDArray[np.float32], k: int, gate: str
+    ) -> tuple[Any, ...]:
+        """Matches, route scores, winners, gated scores and reported columns of a batch."""
+        mode = self._scoring
+        match_scores, match_ids = index.search(queries, k, normalized=True)
+        scores = mode.route_scores(self._state, queries)
+        winners = pick_winners(scores)
+        gated = mode.gate(self._state, queries, scores, winners, match_scores[:, 0], gate)
+        columns = scores.shape[1]
+        shown = min(columns, max(self._top_k, _REPORTED_ROUTES))
+        if columns <= 256:  # a full sort of a short row beats partitioning it
+            top = np.argsort(-scores, axis=1, kind="stable")[:, :shown]
+        elif shown < columns:
+            top = np.argpartition(-scores, shown - 1, axis=1)[:, :shown]
+            order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
+            top = np.take_along_axis(top, order, axis=1)
+        else:
+            top = np.argsort(-scores, axis=1, kind="stable")
+        return (
+            match_scores.tolist(),
+            match_ids.tolist(),
+            scores,
+            winners.tolist(),
+            gated.tolist(),
+            top.tolist(),
+        )
+
+    def _learned_decision(self, parts: tuple[Any, ...], row: int) -> RouteDecision:
+        match_scores, match_ids, scores, winners, gated, top = parts
+        routes, column_routes = self._routes, self._column_routes
+        winner_column = winners[row]
+        route_scores = scores[row]
+        best_route = column_routes[winner_column]
+        reported = {routes[best_route]: float(route_scores[winner_column])}
+        for column in top[row]:
+            if column != winner_column:
+                reported[routes[column_routes[column]]] = float(route_scores[column])
+        matches = tuple(
+            RouteMatch(
+                client=routes[self._pair_routes[raw_id]],
+                utterance=self._utterances[raw_id],
+                score=raw_score,
+                profile_index=raw_id,
+            )
+            for raw_score, raw_id in zip(match_scores[row], match_ids[row], strict=True)
+        )
+        score = gated[row]
+        threshold = self._route_thresholds.get(best_route, self._threshold)
+        passed = score >= threshold
+        winner = routes[best_route]
+        return RouteDecision(
+            client=winner if passed else self._default,
+            score=score,
+            scores=reported,
+            matches=matches,
+            is_default=not passed,
+            winner=winner,
+            threshold=threshold,
+            scoring=self._scoring.name,
+        )
 
     def _decision(
         self, scores: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]
@@ -344,6 +505,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
             is_default=not passed,
             winner=winner,
             threshold=threshold,
+            scoring=self._scoring.name,
         )
 
     def _aggregate(self, values: list[float]) -> float:
@@ -355,7 +517,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
         return total / len(values)
 
     def _fallback(self) -> RouteDecision:
-        return RouteDecision(client=self._default)
+        return RouteDecision(client=self._default, scoring=self._scoring.name)
 
     def _check_route_thresholds(
         self, thresholds: Mapping[ChatClient, float] | None, limit: float
