@@ -369,7 +369,7 @@ async def test_cut_non_streaming_mid_body(up: FakeUpstream) -> None:
 async def test_stall_after_n_chunks_until_the_client_leaves(up: FakeUpstream) -> None:
     up.script(Stall(1))
     async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(5, read=0.3)) as client,
+        httpx.AsyncClient(timeout=httpx.Timeout(5, read=1.0)) as client,
         client.stream(
             "POST",
             up.base_url + "/chat/completions",
