@@ -63,6 +63,10 @@ from chatroute.router import (
     CalibrationMetrics,
     CalibrationReport,
     CalibrationResult,
+    ContextPolicy,
+    ConversationDecision,
+    ConversationPolicy,
+    LastUserPolicy,
     ProfileOverlapWarning,
     RouteDecision,
     RouteMatch,
@@ -72,8 +76,21 @@ from chatroute.router import (
     SemanticRoutingChatClient,
     apply_thresholds,
     calibrate,
+    context_policy,
     evaluate_decisions,
     fit_route_thresholds,
+)
+from chatroute.session import (
+    HistoryHygieneChatClient,
+    InMemorySessionStore,
+    SessionRecord,
+    SessionScope,
+    SessionStore,
+    StickyProviderChatClient,
+    bind_session,
+    clean_history,
+    conversation_key,
+    current_session,
 )
 
 if TYPE_CHECKING:
@@ -89,6 +106,7 @@ if TYPE_CHECKING:
         classify,
     )
     from chatroute.providers.anthropic_messages import AnthropicChatClient
+    from chatroute.session.redis_store import RedisSessionStore
 
 __version__ = "0.1.0"
 
@@ -96,6 +114,7 @@ __version__ = "0.1.0"
 # anthropic SDK, an optional extra, unless AnthropicChatClient is asked for).
 _LAZY = {
     "AnthropicChatClient": "chatroute.providers.anthropic_messages",
+    "RedisSessionStore": "chatroute.session.redis_store",  # needs the `redis` extra
 } | {
     name: "chatroute.providers"
     for name in (
@@ -141,6 +160,9 @@ __all__ = [
     "ConfigureOptionsChatClient",
     "Content",
     "ContextLengthExceededError",
+    "ContextPolicy",
+    "ConversationDecision",
+    "ConversationPolicy",
     "DataContent",
     "DeadlineExceededError",
     "DelegatingChatClient",
@@ -157,9 +179,12 @@ __all__ = [
     "FunctionCallContent",
     "FunctionResultContent",
     "HealthAwareFailoverChatClient",
+    "HistoryHygieneChatClient",
     "HostedFileContent",
+    "InMemorySessionStore",
     "IndexFormatError",
     "InvalidEmbeddingError",
+    "LastUserPolicy",
     "OpenAIChatClient",
     "OrderedFailoverChatClient",
     "ProfileIndex",
@@ -167,6 +192,7 @@ __all__ = [
     "ProfileOverlapWarning",
     "ProviderError",
     "ProviderTimeoutError",
+    "RedisSessionStore",
     "RouteDecision",
     "RouteMatch",
     "RoutingChatClient",
@@ -175,6 +201,10 @@ __all__ = [
     "Selection",
     "SemanticRoutingChatClient",
     "SentenceTransformerEmbedder",
+    "SessionRecord",
+    "SessionScope",
+    "SessionStore",
+    "StickyProviderChatClient",
     "StreamStallTimeoutError",
     "TextContent",
     "TextReasoningContent",
@@ -184,8 +214,13 @@ __all__ = [
     "UsageDetails",
     "__version__",
     "apply_thresholds",
+    "bind_session",
     "calibrate",
     "classify",
+    "clean_history",
+    "context_policy",
+    "conversation_key",
+    "current_session",
     "evaluate_decisions",
     "fit_route_thresholds",
 ]

@@ -12,6 +12,15 @@ from chatroute.router.calibration import (
     fit_route_thresholds,
 )
 from chatroute.router.context import RoutingContext
+from chatroute.router.conversation import (
+    ContextPolicy,
+    ConversationDecision,
+    ConversationPolicy,
+    LastUserPolicy,
+    RouteScorer,
+    TurnOutcome,
+    context_policy,
+)
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
 from chatroute.router.semantic import SemanticRoutingChatClient
 
@@ -19,15 +28,22 @@ __all__ = [
     "CalibrationMetrics",
     "CalibrationReport",
     "CalibrationResult",
+    "ContextPolicy",
+    "ConversationDecision",
+    "ConversationPolicy",
+    "LastUserPolicy",
     "ProfileOverlapWarning",
     "RouteDecision",
     "RouteMatch",
+    "RouteScorer",
     "RoutingChatClient",
     "RoutingContext",
     "ScoreAggregation",
     "SemanticRoutingChatClient",
+    "TurnOutcome",
     "apply_thresholds",
     "calibrate",
+    "context_policy",
     "evaluate_decisions",
     "fit_route_thresholds",
 ]
