@@ -55,7 +55,8 @@ def dense_route_scores(
     grouped = padded[:, gather.rows]  # (queries, routes, width)
     k = min(top_k, grouped.shape[2])
     if aggregation is ScoreAggregation.MAX or k == 1:
-        return grouped.max(axis=2)
+        best_one: npt.NDArray[np.float32] = grouped.max(axis=2)
+        return best_one
     best = -np.partition(-grouped, k - 1, axis=2)[:, :, :k]
     taken = np.minimum(gather.counts, k)
     finite = np.where(np.isfinite(best), best, 0.0).sum(axis=2, dtype=np.float64)

@@ -300,7 +300,9 @@ class SemanticRoutingChatClient(RoutingChatClient):
         """
         items = list(texts)
         routes = len(self._routes)
-        out = [(np.full(routes, -np.inf, dtype=np.float32), ()) for _ in items]
+        out: list[tuple[npt.NDArray[np.float32], tuple[RouteMatch, ...]]] = [
+            (np.full(routes, -np.inf, dtype=np.float32), ()) for _ in items
+        ]
         usable = [position for position, text in enumerate(items) if not _is_blank(text)]
         if not usable:
             return out
