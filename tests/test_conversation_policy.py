@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from chatroute import (
@@ -175,3 +176,30 @@ async def test_route_conversations_refuses_a_bare_string() -> None:
     with pytest.raises(TypeError, match="conversation 0"):
         await router.route_conversations(["hello"])  # type: ignore[list-item]
     assert len(one_message()) == 1
+
+
+def test_dense_route_scores_aggregate_each_routes_own_best_hits() -> None:
+
+    from chatroute.router.decision import ScoreAggregation
+    from chatroute.router.route_scores import RouteGather, dense_route_scores
+
+    # rows 0-2 belong to route 1, row 3 to route 2; route 0 (the default) has none
+    gather = RouteGather([1, 1, 1, 2], 3)
+    sims = np.array([[0.9, 0.1, 0.5, 0.4]], dtype=np.float32)
+    mean = dense_route_scores(sims, gather, 2, ScoreAggregation.MEAN)[0]
+    assert mean[0] == -np.inf
+    assert mean[1] == pytest.approx(0.7) and mean[2] == pytest.approx(0.4)  # 1 of 2 taken
+    total = dense_route_scores(sims, gather, 2, ScoreAggregation.SUM)[0]
+    assert total[1] == pytest.approx(1.4) and total[2] == pytest.approx(0.4)
+    best = dense_route_scores(sims, gather, 3, ScoreAggregation.MAX)[0]
+    assert best[1] == pytest.approx(0.9)
+
+
+async def test_score_routes_agrees_with_a_single_message_decision() -> None:
+    router, _, clients = _router()
+    [(scores, matches)] = await router.score_routes(["yes, for two nights"])
+    decision = await router.route(_chat((U, "yes, for two nights")))
+    assert router.clients[int(scores.argmax())] is decision.winner is clients["food"]
+    assert matches == decision.matches
+    [(blank, none)] = await router.score_routes(["  "])
+    assert none == () and not any(np.isfinite(blank))
