@@ -139,24 +139,28 @@ async def accuracy(setup: Setup, context: Any) -> dict[str, tuple[int, int]]:
 
 
 async def cost_batch1(setup: Setup, dialogues: int) -> dict[str, float]:
-    """Median ms per request, turn after turn of the same dialogues, policies interleaved."""
+    """Median ms per request, turn after turn of the same dialogues, in a random order."""
     single = setup.router(LastUserPolicy())
     conversation = setup.router(ConversationPolicy())
     cold = setup.router(ConversationPolicy(cache_size=0))
     await single.route([ChatMessage(ChatRole.USER, "warm up")])
     times: dict[str, list[float]] = {"single": [], "conversation": [], "uncached": []}
     rng = random.Random(7)
+    ratios: list[float] = []
     for dialogue in rng.sample(setup.dialogues, dialogues):
         for messages in prefixes(dialogue):
-            for name, router in (
-                ("single", single),
-                ("conversation", conversation),
-                ("uncached", cold),
-            ):
+            order = [("single", single), ("conversation", conversation), ("uncached", cold)]
+            rng.shuffle(order)  # no policy always runs first, or right after another
+            took: dict[str, float] = {}
+            for name, router in order:
                 start = time.perf_counter()
                 await router.route(messages)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+                took[name] = time.perf_counter() - start
+                times[name].append(took[name])
+            ratios.append(took["conversation"] / took["single"])
+    result = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    result["paired"] = statistics.median(ratios)
+    return result
 
 
 async def cost_batch(setup: Setup, size: int, groups: int) -> dict[str, float]:
