@@ -74,7 +74,11 @@ from chatroute.router import (
     CalibrationMetrics,
     CalibrationReport,
     CalibrationResult,
+    ContextPolicy,
+    ConversationDecision,
+    ConversationPolicy,
     KnnScoring,
+    LastUserPolicy,
     ProfileOverlapWarning,
     PrototypeScoring,
     RouteDecision,
@@ -88,14 +92,28 @@ from chatroute.router import (
     TopKScoring,
     apply_thresholds,
     calibrate,
+    context_policy,
     evaluate_decisions,
     fit_route_thresholds,
     make_scoring,
+)
+from chatroute.session import (
+    HistoryHygieneChatClient,
+    InMemorySessionStore,
+    SessionRecord,
+    SessionScope,
+    SessionStore,
+    StickyProviderChatClient,
+    bind_session,
+    clean_history,
+    conversation_key,
+    current_session,
 )
 
 if TYPE_CHECKING:
     from chatroute.engine import Engine, build_engine
     from chatroute.providers import AnthropicChatClient, OpenAIChatClient
+    from chatroute.session.redis_store import RedisSessionStore
 
 __version__ = "0.1.0"
 
@@ -104,6 +122,7 @@ __version__ = "0.1.0"
 _LAZY = {name: "chatroute.providers" for name in ("AnthropicChatClient", "OpenAIChatClient")} | {
     "Engine": "chatroute.engine",
     "build_engine": "chatroute.engine",
+    "RedisSessionStore": "chatroute.session.redis_store",  # needs the `redis` extra
 }
 
 
@@ -137,6 +156,9 @@ __all__ = [
     "ConfigureOptionsChatClient",
     "Content",
     "ContextLengthExceededError",
+    "ContextPolicy",
+    "ConversationDecision",
+    "ConversationPolicy",
     "DataContent",
     "DeadlineExceededError",
     "DelegatingChatClient",
@@ -154,10 +176,13 @@ __all__ = [
     "FunctionCallContent",
     "FunctionResultContent",
     "HealthAwareFailoverChatClient",
+    "HistoryHygieneChatClient",
     "HostedFileContent",
+    "InMemorySessionStore",
     "IndexFormatError",
     "InvalidEmbeddingError",
     "KnnScoring",
+    "LastUserPolicy",
     "OpenAIChatClient",
     "OrderedFailoverChatClient",
     "ProfileIndex",
@@ -166,6 +191,7 @@ __all__ = [
     "PrototypeScoring",
     "ProviderError",
     "ProviderTimeoutError",
+    "RedisSessionStore",
     "RouteDecision",
     "RouteMatch",
     "Router",
@@ -176,6 +202,10 @@ __all__ = [
     "Selection",
     "SemanticRoutingChatClient",
     "SentenceTransformerEmbedder",
+    "SessionRecord",
+    "SessionScope",
+    "SessionStore",
+    "StickyProviderChatClient",
     "StreamStallTimeoutError",
     "TextContent",
     "TextReasoningContent",
@@ -186,9 +216,14 @@ __all__ = [
     "UsageDetails",
     "__version__",
     "apply_thresholds",
+    "bind_session",
     "build_engine",
     "calibrate",
     "classify_failure",
+    "clean_history",
+    "context_policy",
+    "conversation_key",
+    "current_session",
     "evaluate_decisions",
     "fit_route_thresholds",
     "make_scoring",

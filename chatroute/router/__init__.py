@@ -12,6 +12,15 @@ from chatroute.router.calibration import (
     fit_route_thresholds,
 )
 from chatroute.router.context import RoutingContext
+from chatroute.router.conversation import (
+    ContextPolicy,
+    ConversationDecision,
+    ConversationPolicy,
+    LastUserPolicy,
+    RouteScorer,
+    TurnOutcome,
+    context_policy,
+)
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
 from chatroute.router.policy import Router
 from chatroute.router.scoring import (
@@ -29,11 +38,16 @@ __all__ = [
     "CalibrationMetrics",
     "CalibrationReport",
     "CalibrationResult",
+    "ContextPolicy",
+    "ConversationDecision",
+    "ConversationPolicy",
     "KnnScoring",
+    "LastUserPolicy",
     "ProfileOverlapWarning",
     "PrototypeScoring",
     "RouteDecision",
     "RouteMatch",
+    "RouteScorer",
     "Router",
     "RoutingChatClient",
     "RoutingContext",
@@ -41,8 +55,10 @@ __all__ = [
     "ScoringMode",
     "SemanticRoutingChatClient",
     "TopKScoring",
+    "TurnOutcome",
     "apply_thresholds",
     "calibrate",
+    "context_policy",
     "evaluate_decisions",
     "fit_route_thresholds",
     "make_scoring",

@@ -25,7 +25,9 @@ from chatroute.index import (
 )
 from chatroute.router.base import RoutingChatClient, close_each_once
 from chatroute.router.context import RoutingContext
+from chatroute.router.conversation import ContextPolicy, LastUserPolicy, context_policy
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
+from chatroute.router.route_scores import RouteGather, dense_route_scores
 from chatroute.router.scoring import ScoringMode, TopKScoring, make_scoring, pick_winners
 
 __all__ = ["SemanticRoutingChatClient"]
@@ -67,6 +69,9 @@ class SemanticRoutingChatClient(RoutingChatClient):
       nearest utterances a decision lists as `matches`. A mode that trains does so when
       the index is built (or when a given index carries no head for these profiles and
       settings), in a worker thread.
+    - `context`: the context policy (`chatroute.router.conversation`) that decides which
+      text a request's decision reads: "last_user" (the default: the rule above) or
+      "conversation" (the turn in its conversation), or a `ContextPolicy` object.
 
     `aclose()` closes the clients and the generator unless `leave_open` is set.
     """
@@ -86,6 +91,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
         index_device: str | None = None,
         index_backend: Backend = "auto",
         scoring: str | ScoringMode = "top_k",
+        context: ContextPolicy | str | None = None,
     ) -> None:
         # SR1, in order.
         if embedding_generator is None:
@@ -178,6 +184,10 @@ class SemanticRoutingChatClient(RoutingChatClient):
             self._index = self._check_profile_index(profile_index)
         self._build_lock = asyncio.Lock()
         self._closed = False
+        self._context = context_policy(context)
+        # None: the last user message decides, on the path below that predates policies.
+        self._policy = None if isinstance(self._context, LastUserPolicy) else self._context
+        self._gather: RouteGather | None = None
 
     # -- configuration --------------------------------------------------------------------
 
@@ -253,6 +263,11 @@ class SemanticRoutingChatClient(RoutingChatClient):
         )
 
     @property
+    def context(self) -> ContextPolicy:
+        """The context policy that decides which text a request's decision reads."""
+        return self._context
+
+    @property
     def profile_index(self) -> ProfileIndex | None:
         """The profile index, once built (or the one given at construction).
 
@@ -282,6 +297,8 @@ class SemanticRoutingChatClient(RoutingChatClient):
         """The decision `select_client` would act on for `messages`; calls no chat client."""
         if messages is None:
             raise TypeError("messages must not be None")
+        if self._policy is not None:
+            return (await self._policy.decide(self, [messages]))[0]
         query = _last_user_text(messages)
         if query is None or _is_blank(query):
             return self._fallback()
@@ -332,6 +349,62 @@ class SemanticRoutingChatClient(RoutingChatClient):
             ):
                 decisions[position] = decision
         return [decision for decision in decisions if decision is not None]
+
+    async def route_conversations(
+        self, conversations: Sequence[Sequence[ChatMessage]]
+    ) -> list[RouteDecision]:
+        """The decision for each conversation's last user turn under the context policy,
+        with one embedding call in all (turns already scored come from its cache)."""
+        if conversations is None:
+            raise TypeError("conversations must not be None")
+        items = list(conversations)
+        for position, messages in enumerate(items):
+            if isinstance(messages, str) or not all(isinstance(m, ChatMessage) for m in messages):
+                raise TypeError(f"conversation {position} is not a sequence of ChatMessage")
+        return await self._context.decide(self, items)
+
+    async def score_routes(
+        self, texts: Sequence[str]
+    ) -> list[tuple[npt.NDArray[np.float32], tuple[RouteMatch, ...]]]:
+        """Every route's score for each text, in `clients` order, and the text's top-K matches.
+
+        A route's score is the scoring mode's (under "top_k": the aggregate of its own best
+        `top_k` similarities; -inf for a route without utterances), so a context policy can
+        weigh any two routes; the matches are those a single-message decision reports. One
+        embedding call in all; a blank text or a zero-norm embedding gives -inf everywhere and
+        no matches.
+        """
+        items = list(texts)
+        routes = len(self._routes)
+        out: list[tuple[npt.NDArray[np.float32], tuple[RouteMatch, ...]]] = [
+            (np.full(routes, -np.inf, dtype=np.float32), ()) for _ in items
+        ]
+        usable = [position for position, text in enumerate(items) if not _is_blank(text)]
+        if not usable:
+            return out
+        index = await self._ensure_index()
+        raw = await self._generator.generate([items[position] for position in usable])
+        matrix = as_embedding_matrix(
+            raw, rows=len(usable), dimension=index.dimension, what="query", allow_zero_rows=True
+        )
+        normalized, norms = l2_normalize_rows(matrix)
+        if isinstance(self._scoring, TopKScoring):
+            if self._gather is None:
+                self._gather = RouteGather(self._pair_routes, routes)
+            dense = dense_route_scores(
+                normalized @ index.vectors.T, self._gather, self._top_k, self._aggregation
+            )
+        else:  # the scoring mode's own route scores, its columns put in `clients` order
+            dense = np.full((len(usable), routes), -np.inf, dtype=np.float32)
+            dense[:, list(self._column_routes)] = self._scoring.route_scores(
+                self._state, normalized
+            )
+        scores, ids = index.search(normalized, min(self._top_k, len(index)), normalized=True)
+        for row, position in enumerate(usable):
+            if norms[row] > 0.0:
+                matches = self._decision(scores[row], ids[row]).matches
+                out[position] = (dense[row], matches)
+        return out
 
     # -- internals ------------------------------------------------------------------------
 
