@@ -31,6 +31,7 @@ from chatroute.chat.types import ChatMessage, ChatOptions, ChatResponseUpdate
 from chatroute.config import ChatrouteConfig
 from chatroute.router.base import close_iterator
 from chatroute.router.decision import RouteDecision
+from chatroute.server.embeddings import embedding_model_card, install_embeddings
 from chatroute.server.engine import Engine, build_engine
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.guard import Admission, Admitted, NotJSON, RequestGuard
@@ -719,7 +720,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models", tags=["openai"])
     async def models(request: Request) -> dict[str, Any]:
-        """The routes, as models; `auto` routes semantically."""
+        """The routes, as models (`auto` routes semantically), and the embedding model."""
         service = _ready_service(request)
         engine = service.engine
         data = [
@@ -743,7 +744,10 @@ def _install_routes(app: FastAPI) -> None:
                     ],
                 }
             )
+        data.append(embedding_model_card(service))
         return {"object": "list", "data": data}
+
+    install_embeddings(app, ready=_ready_service, list_models=models)
 
     @app.post("/v1/route", tags=["routing"])
     async def route(body: RouteRequest, request: Request) -> JSONResponse:
