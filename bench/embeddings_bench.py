@@ -204,9 +204,7 @@ def run(args: argparse.Namespace) -> str:
         else:
             row += ["", "", "", "", ""]
         rows.append(row)
-    per_round = "; ".join(
-        f"{arm} " + " / ".join(f"{r:,.0f}" for r in rates[arm]) for arm in arms
-    )
+    per_round = "; ".join(f"{arm} " + " / ".join(f"{r:,.0f}" for r in rates[arm]) for arm in arms)
     lines = [
         "## Embeddings API (bench/embeddings_bench.py)",
         "",

@@ -84,9 +84,7 @@ def _same(remote: dict[str, Any], local: dict[str, Any]) -> None:
     assert remote["route"] == local["route"] and remote["is_default"] == local["is_default"]
     assert remote["score"] == pytest.approx(local["score"], abs=1e-5)
     assert remote["scores"].keys() == local["scores"].keys()
-    assert [m["utterance"] for m in remote["matches"]] == [
-        m["utterance"] for m in local["matches"]
-    ]
+    assert [m["utterance"] for m in remote["matches"]] == [m["utterance"] for m in local["matches"]]
 
 
 def test_the_service_answers_as_the_local_model_does(service: str, config_file: Path) -> None:
@@ -129,9 +127,7 @@ def test_stdin_texts_one_json_line_each_with_the_key_from_the_environment(
         ([], "refused the API key (401)"),
     ],
 )
-def test_a_refused_key_is_one_line_and_exit_2(
-    service: str, args: list[str], fragment: str
-) -> None:
+def test_a_refused_key_is_one_line_and_exit_2(service: str, args: list[str], fragment: str) -> None:
     result = run("route", "--url", service, *args, "hello", env={"CHATROUTE_API_KEY": ""})
     assert result.exit_code == 2
     assert fragment in result.output and len(result.output.strip().splitlines()) == 1
@@ -160,9 +156,11 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], fragment: str) -
 
 def test_an_unreachable_service_is_one_line_exit_2_no_traceback() -> None:
     url = f"http://127.0.0.1:{_closed_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, *sys.path])}
+    script = "from chatroute.cli import main; main()"
     done = subprocess.run(
-        [sys.executable, "-c", "from chatroute.cli import main; main()", "route", "--url", url, "hi"],
+        [sys.executable, "-c", script, "route", "--url", url, "hi"],
         capture_output=True,
         text=True,
         env=env,

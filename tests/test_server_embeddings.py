@@ -171,6 +171,7 @@ def test_token_arrays_are_a_400(client: openai.OpenAI, tokens: Any) -> None:
         ([], "input", "empty"),
         (["ok", 3], "input[1]", "must be a string"),
         ({"text": "x"}, "input", "a string or a list of strings"),
+        ([["not", "tokens"]], "input[0]", "must be a string"),
         ([f"t{i}" for i in range(MAX_INPUTS + 1)], "input", f"at most {MAX_INPUTS} inputs"),
         (["ok", "x" * (MAX_CHARS + 1)], "input[1]", f"at most {MAX_CHARS} characters"),
     ],

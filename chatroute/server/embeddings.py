@@ -92,9 +92,7 @@ def _texts(value: Any) -> list[str]:
         raise _invalid("input", "must not be an empty list")
     if all(isinstance(item, str) for item in value):
         return value
-    if all(isinstance(item, int) and not isinstance(item, bool) for item in value) or all(
-        isinstance(item, list) for item in value
-    ):
+    if _token_ids(value) or all(isinstance(item, list) and _token_ids(item) for item in value):
         raise APIError(
             400,
             "input: token arrays are not supported; send the text itself "
@@ -106,6 +104,10 @@ def _texts(value: Any) -> list[str]:
         if not isinstance(item, str):
             raise _invalid(f"input[{position}]", "must be a string")
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _token_ids(value: list[Any]) -> bool:
+    return bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
 def _invalid(param: str, message: str) -> APIError:
@@ -135,7 +137,7 @@ def _check_limits(service: Service, texts: Sequence[str]) -> None:
 
 def _check_model(service: Service, model: str | None) -> str:
     name = embedder_name(service)
-    if model is None or model in (name, service.config.embedder.model):
+    if not model or model in (name, service.config.embedder.model):
         return name
     shown = model if len(model) <= 80 else model[:77] + "..."
     raise APIError(
@@ -244,12 +246,13 @@ def install_embeddings(
         if dimension is None:  # a generator that does not say: its vectors do
             _check_dimensions(body.dimensions, int(vectors.shape[1]), model)
         headers = {}
-        if body.model_extra:
-            headers[_IGNORED_HEADER] = ",".join(
-                name
-                for name in body.model_extra
-                if name.isascii() and name.isprintable() and "," not in name
-            )[:512]
+        ignored = ",".join(
+            name
+            for name in body.model_extra or ()
+            if name.isascii() and name.isprintable() and "," not in name
+        )
+        if ignored:
+            headers[_IGNORED_HEADER] = ignored[:512]
         content = encode_body(vectors, model, tokens, body.encoding_format)
         service.metrics.observe_request("embeddings", "", 200, time.perf_counter() - started)
         return Response(content, media_type="application/json", headers=headers)
