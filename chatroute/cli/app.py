@@ -185,8 +185,11 @@ def route(
         settings = _config(config)
 
         async def work(engine: Engine) -> list[dict[str, object]]:
+            gate = asyncio.Semaphore(256)  # batches well, and never fills the embedder's queue
+
             async def one(text: str) -> dict[str, object]:
-                decision = await engine.decide([ChatMessage(ChatRole.USER, text)])
+                async with gate:
+                    decision = await engine.decide([ChatMessage(ChatRole.USER, text)])
                 return engine.describe(decision, matches=True)
 
             return list(await asyncio.gather(*(one(text) for text in lines)))
