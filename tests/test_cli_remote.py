@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from chatroute.chat import EmbeddingGenerator
 from chatroute.cli import app
 from chatroute.config import parse_config
-from chatroute.server import create_app
+from chatroute.server import build_engine, create_app
 
 KEY = "cli-key-0123456789"
 CONFIG: dict[str, Any] = {
@@ -67,7 +67,9 @@ def config_file(
     monkeypatch: pytest.MonkeyPatch,
     default_embedder: Callable[[], EmbeddingGenerator],
 ) -> Path:
-    monkeypatch.setattr("chatroute.server.engine.build_embedder", lambda config: default_embedder())
+    # Lend the session's model to the engine the command builds (wherever the engine lives).
+    where = f"{build_engine.__module__}.build_embedder"
+    monkeypatch.setattr(where, lambda config: default_embedder())
     path = tmp_path / "chatroute.yaml"
     path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
     return path
