@@ -655,7 +655,9 @@ def test_classify_is_one_batch(h: Harness) -> None:
 def test_models_lists_auto_and_routes(h: Harness) -> None:
     body = h.client.get("/v1/models").json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["auto", "code", "math", "general"]
+    # Then the embedder (a generator with no name of its own: the configured model).
+    assert [m["id"] for m in body["data"]] == ["auto", "code", "math", "general", "default"]
+    assert body["data"][-1]["type"] == "embedding"
     code = body["data"][1]
     assert code["targets"] == [
         {"provider": "fast", "model": "small-model"},

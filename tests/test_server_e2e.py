@@ -356,7 +356,7 @@ def test_route_and_classify(stack: Stack) -> None:
 
 def test_models_lists_routes(stack: Stack) -> None:
     ids = [m.id for m in stack.client.models.list()]
-    assert ids == ["auto", "code", "math", "general"]
+    assert ids == ["auto", "code", "math", "general", "sentence-transformers/all-MiniLM-L6-v2"]
 
 
 def test_metrics_report_routes_providers_failovers_and_embedder(stack: Stack) -> None:

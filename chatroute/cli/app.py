@@ -133,18 +133,85 @@ def serve(
 
 @app.command()
 def route(
-    config: ConfigOption,
-    text: Annotated[str, typer.Argument(help="The user message to route.")],
+    texts: Annotated[
+        list[str],
+        typer.Argument(
+            help="The user messages to route; '-' reads them from stdin, one per line.",
+            show_default=False,
+        ),
+    ],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="The YAML config file (loads the model here).",
+            show_default=False,
+        ),
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Ask a running service at this URL (POST /v1/route) instead of loading the model.",
+            envvar="CHATROUTE_URL",
+            show_default=False,
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="The service's API key (with --url).", envvar="CHATROUTE_API_KEY"),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds to wait for each answer (with --url).")
+    ] = 30.0,
 ) -> None:
-    """Print the route decision for TEXT as JSON (no provider is called)."""
-    settings = _config(config)
+    """Print the route decision for each TEXT as JSON (no provider is called).
 
-    async def work(engine: Engine) -> dict[str, object]:
-        decision = await engine.decide([ChatMessage(ChatRole.USER, text)])
-        return engine.describe(decision, matches=True)
+    One TEXT prints its decision as indented JSON; several, or '-', print one JSON object
+    per line with the text as "input".
+    """
+    lines = _route_texts(texts)
+    if (config is None) == (url is None):
+        raise _fail("give --config FILE (load the model here) or --url URL (ask a service)")
+    if url is not None:
+        from chatroute.cli.remote import RemoteError, route_remote
 
-    result = _run_engine(settings, work)
-    typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
+        try:
+            asked = route_remote(url, lines, api_key=api_key, request_timeout=timeout)
+            results = asyncio.run(asked)
+        except RemoteError as exc:
+            raise _fail(str(exc)) from None
+    else:
+        assert config is not None
+        settings = _config(config)
+
+        async def work(engine: Engine) -> list[dict[str, object]]:
+            gate = asyncio.Semaphore(256)  # batches well, and never fills the embedder's queue
+
+            async def one(text: str) -> dict[str, object]:
+                async with gate:
+                    decision = await engine.decide([ChatMessage(ChatRole.USER, text)])
+                return engine.describe(decision, matches=True)
+
+            return list(await asyncio.gather(*(one(text) for text in lines)))
+
+        results = _run_engine(settings, work) if lines else []
+    if len(texts) == 1 and texts[0] != "-":
+        typer.echo(json.dumps(results[0], indent=2, ensure_ascii=False))
+        return
+    for text, result in zip(lines, results, strict=True):
+        typer.echo(json.dumps({"input": text, **result}, ensure_ascii=False))
+
+
+def _route_texts(texts: list[str]) -> list[str]:
+    """The texts to route: each argument, '-' replaced by stdin's non-blank lines."""
+    lines: list[str] = []
+    for text in texts:
+        if text == "-":
+            lines.extend(line.rstrip("\r\n") for line in sys.stdin if line.strip())
+        else:
+            lines.append(text)
+    return lines
 
 
 @app.command()

@@ -342,6 +342,14 @@ class ModelRunner:
             ids[row, : lengths[k]] = id_lists[k]
         return Segment(request=request, positions=order + start, lengths=lengths[order], ids=ids)
 
+    def token_count(self, segment: Segment) -> int:
+        """Tokens the model reads for a segment's texts (special tokens included)."""
+        if segment.texts is None:  # tokenised here: the lengths are the real ones
+            return int(segment.lengths.sum())
+        # The `encode` path only estimated the lengths: count with the model's tokeniser.
+        features = self._st.tokenize(segment.texts)
+        return int(features["attention_mask"].sum())
+
     # -- forward --------------------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -46,6 +46,8 @@ class _Job(Request):
         self.out: FloatArray = np.empty((size, dim), dtype=np.float32)
         self.rows_left = size
         self.settle = settle
+        # Tokens read per tokenised chunk (list.append is atomic across tokeniser threads).
+        self.token_counts: list[int] = []
 
 
 def _resolve_future(fut: asyncio.Future[FloatArray], value: FloatArray | BaseException) -> None:
@@ -287,17 +289,24 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
 
     async def generate(self, values: Sequence[str]) -> FloatArray:
         """Embed `values` in order: float32, shape (len(values), dimension)."""
+        return (await self.generate_with_usage(values))[0]
+
+    async def generate_with_usage(self, values: Sequence[str]) -> tuple[FloatArray, int]:
+        """`generate(values)` and the number of tokens the model read for them (special
+        tokens and any prompt included, each text cut to `max_seq_length`), counted by the
+        same tokenisation that fed the model."""
         texts = _check_texts(values)
         if self._closed:
             raise EmbedderClosedError(f"{self!r} is closed")
         if not texts:
-            return np.zeros((0, self.dimension), dtype=np.float32)
+            return np.zeros((0, self.dimension), dtype=np.float32), 0
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[FloatArray] = loop.create_future()
         job = _Job(len(texts), self.dimension, _AsyncSettle(loop, fut))
         self._submit(job, texts)
         fut.add_done_callback(lambda f: self._forget(job) if f.cancelled() else None)
-        return await fut
+        out = await fut
+        return out, sum(job.token_counts)
 
     def embed_sync(self, values: Sequence[str]) -> FloatArray:
         """Blocking `generate` for offline code and benches (same queue and forward path).
@@ -332,6 +341,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             return
         try:
             segment = self._runner.make_segment(job, start, texts)
+            job.token_counts.append(self._runner.token_count(segment))
         except Exception as exc:
             logger.exception("embedder: tokenisation failed")
             self._fail(job, exc)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from chatroute.chat.types import ChatMessage
 from chatroute.server.chat import chat_completions
+from chatroute.server.embeddings import embedding_model_card, install_embeddings
 from chatroute.server.errors import APIError
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
 from chatroute.server.service import (
@@ -79,7 +80,10 @@ def install_routes(app: FastAPI) -> None:
                     ],
                 }
             )
+        data.append(embedding_model_card(service))
         return {"object": "list", "data": data}
+
+    install_embeddings(app, ready=ready_service, list_models=models)
 
     @app.post("/v1/route", tags=["routing"])
     async def route(body: RouteRequest, request: Request) -> JSONResponse:
