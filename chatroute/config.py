@@ -98,6 +98,8 @@ class ServerConfig(_Strict):
     `forwarded_allow_ips` lists the proxies (addresses or networks, `"*"` for any) whose
     `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
     and each request costs one middleware less.
+    `log_format` is how `chatroute serve` writes its log: `text` lines, or `json`, one
+    JSON object per line (the request log line's fields as keys).
     """
 
     host: str = "127.0.0.1"
@@ -113,6 +115,7 @@ class ServerConfig(_Strict):
     gc_freeze: bool = True
     gc_threshold: int | None = Field(default=20_000, ge=100)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["text", "json"] = "text"
     forwarded_allow_ips: list[Annotated[str, Field(min_length=1)]] | None = None
 
 

@@ -231,8 +231,6 @@ def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxie
     proxies: list[str] | None,
     honoured: bool,
 ) -> None:
-    import uvicorn
-
     from chatroute.server.connection import GuardedHttpProtocol
 
     settings = dict(CONFIG, server={"port": 8123, "log_level": "warning", "head_timeout": 4})
@@ -241,7 +239,9 @@ def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxie
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(settings), encoding="utf-8")
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
+    monkeypatch.setattr(
+        "chatroute.server.startup.run_server", lambda app, **kwargs: seen.update(kwargs, app=app)
+    )
     monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
     result = run("serve", "--config", path)
     assert result.exit_code == 0, result.output

@@ -676,7 +676,9 @@ def test_health_ready_and_metrics(h: Harness) -> None:
         'chatroute_requests_total{endpoint="chat_completions",route="math",status="200"} 1.0'
         in text
     )
-    assert 'chatroute_route_decisions_total{default="false",route="math"} 1.0' in text
+    assert (
+        'chatroute_route_decisions_total{default="false",endpoint="chat",route="math"} 1.0' in text
+    )
     assert (
         'chatroute_provider_attempts_total{outcome="success",provider="strong",route="math"}'
         in text

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -97,29 +96,28 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port to bind (config: server.port).")] = None,
 ) -> None:
     """Run the HTTP service (OpenAI-compatible /v1/chat/completions, /v1/route, /v1/classify)."""
-    import uvicorn
-
     from chatroute.server import create_app
     from chatroute.server.connection import http_protocol
+    from chatroute.server.request_log import configure_logging, uvicorn_log_config
+    from chatroute.server.startup import run_server
 
     settings = _config(config)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-    chatroute_logger = logging.getLogger("chatroute")
-    chatroute_logger.addHandler(handler)
-    chatroute_logger.setLevel(settings.server.log_level.upper())
-    chatroute_logger.propagate = False
+    log_format = settings.server.log_format
+    configure_logging(settings.server.log_level, log_format)
     proxies = settings.server.forwarded_allow_ips
-    uvicorn.run(
+    logging_options = {} if log_format == "text" else {"log_config": uvicorn_log_config(log_format)}
+    run_server(
         create_app(settings, embedder=checks.load_embedder(settings, source=str(config))),
+        **logging_options,
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
         # uvicorn's httptools protocol, with a bounded request head (size and time).
         http=http_protocol(settings.server.head_timeout),
         server_header=False,  # no `server: uvicorn` on every answer
-        # uvicorn logs each request at info level; below that, skip the per-request call.
-        access_log=settings.server.log_level in ("trace", "debug", "info"),
+        # The service logs one line per request itself (with its route, provider and
+        # tokens): uvicorn's access log would repeat it.
+        access_log=False,
         timeout_graceful_shutdown=10,
         # Longer than the usual 60 s idle timeout of proxies and load balancers in front,
         # so they, not the service, close idle keep-alive connections (no reset races).

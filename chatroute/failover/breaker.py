@@ -300,7 +300,7 @@ class CircuitBreaker:
 
     # -- explicit transitions ---------------------------------------------------------
 
-    def trip(self, remaining: float | None = None) -> None:
+    def trip(self, remaining: float | None = None, *, reason: str = "tripped") -> None:
         """Open the breaker now (or restart its cool-down if it is open already).
 
         `remaining` shortens the cool-down to that many seconds from now (never beyond
@@ -317,15 +317,15 @@ class CircuitBreaker:
         self._refresh(now)
         cool_down = self._settings.cool_down
         if remaining is None or remaining >= cool_down:
-            self._open(now)
+            self._open(now, reason)
         else:
-            self._open(now - (cool_down - remaining))
+            self._open(now - (cool_down - remaining), reason)
 
-    def reset(self) -> None:
+    def reset(self, *, reason: str = "reset") -> None:
         """Close the breaker now, with an empty window."""
         self._refresh(self._clock())
         if self._state is not BreakerState.CLOSED:
-            self._transition(BreakerState.CLOSED)
+            self._transition(BreakerState.CLOSED, reason)
         self._clear()
 
     # -- internals ---------------------------------------------------------------------
@@ -343,7 +343,9 @@ class CircuitBreaker:
             and self._opened_at is not None
             and now - self._opened_at >= self._settings.cool_down
         ):
-            self._transition(BreakerState.HALF_OPEN)
+            self._transition(
+                BreakerState.HALF_OPEN, f"cool-down of {self._settings.cool_down:g} s elapsed"
+            )
 
     def _prune(self, now: float) -> None:
         horizon = now - self._settings.window
@@ -357,16 +359,23 @@ class CircuitBreaker:
         self._outcomes.clear()
         self._failures = 0
 
-    def _open(self, now: float) -> None:
+    def _open(self, now: float, reason: str) -> None:
         self._opened_at = now
         self._clear()
         if self._state is BreakerState.OPEN:
             self._generation += 1  # a restarted cool-down voids permits granted before it
         else:
-            self._transition(BreakerState.OPEN)
+            self._transition(BreakerState.OPEN, reason)
 
-    def _transition(self, new_state: BreakerState) -> None:
+    def _transition(self, new_state: BreakerState, reason: str) -> None:
         old_state = self._state
+        logger.warning(
+            "circuit breaker of provider %s: %s -> %s (%s)",
+            self._name,
+            old_state.value,
+            new_state.value,
+            reason,
+        )
         self._state = new_state
         self._generation += 1
         self._probe = None
@@ -397,7 +406,10 @@ class CircuitBreaker:
                     total >= settings.minimum_requests
                     and self._failures >= settings.failure_rate_threshold * total
                 ):
-                    self._open(now)
+                    self._open(
+                        now,
+                        f"{self._failures} of {total} attempts failed in {settings.window:g} s",
+                    )
             return
         # The probe, or a forced probe: its verdict decides the state.
         if success is None:
@@ -405,10 +417,10 @@ class CircuitBreaker:
                 self._probe = None
             return
         if success:
-            self._transition(BreakerState.CLOSED)
+            self._transition(BreakerState.CLOSED, "the probe succeeded")
             self._clear()
         else:
-            self._open(now)
+            self._open(now, "the probe failed")
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker {self._name!r} {self._state.value}>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import weakref
@@ -27,6 +28,16 @@ from chatroute.router.context import RoutingContext
 __all__ = ["HealthAwareFailoverChatClient", "Selection"]
 
 _ref = weakref.ref
+logger = logging.getLogger(__name__)
+
+
+def _reason(failure: BaseException) -> str:
+    """A failure in a few words for the log: its kind and HTTP status (no message text,
+    which may quote what the caller sent)."""
+    status = getattr(failure, "status_code", None)
+    kind = classify_failure(failure).value
+    return f"{kind}, HTTP {status}" if isinstance(status, int) else kind
+
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -556,7 +567,7 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
             else:
                 permit.release()
         if policy.mark_unhealthy and candidate is not None:
-            candidate.breaker.trip()
+            candidate.breaker.trip(reason=_reason(failure))
         if is_terminal:
             self._states.pop(_ref(context), None)
             return
@@ -597,6 +608,11 @@ class HealthAwareFailoverChatClient(FailoverChatClient):
                     state.not_before[name] = now + self._retry_backoff
         if not self._eligible(state):
             self._raise_exhausted(context, state)
+        logger.warning(
+            "provider %s failed (%s): failing over",
+            candidate.name if candidate is not None else type(attempt.client).__name__,
+            _reason(failure),
+        )
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ from chatroute.server.errors import Redactor
 from chatroute.server.guard import Admission, RequestGuard
 from chatroute.server.handlers import install_error_handlers
 from chatroute.server.metrics import ServiceMetrics
+from chatroute.server.request_log import RequestLog
 from chatroute.server.routes import install_routes
 from chatroute.server.service import Service
+from chatroute.server.startup import log_startup, startup_summary
 from chatroute.server.wire import ChatCompletionRequest
 from chatroute.tracing import TraceSink
 
@@ -127,14 +129,14 @@ def create_app(
                 # hundreds of ms. Freeze them out of future collections once, at start-up.
                 gc.collect()
                 gc.freeze()
+            summary = startup_summary(
+                engine, auth=bool(keys), shared_state=shared is not None, environ=env
+            )
+            metrics.set_scoring(summary["scoring"] or "", summary["training_seconds"])
+            log_startup(summary)
             service.ready = True
             metrics.ready.set(1)
             app.state.service = service
-            logger.info(
-                "chatroute ready: %d routes, %d providers",
-                len(engine.routes),
-                len(engine.providers),
-            )
             yield
         finally:
             service.ready = False
@@ -165,6 +167,7 @@ def create_app(
         body_timeout=config.server.body_timeout,
     )
     app.add_middleware(RequestGuard, admission=admission)
+    app.add_middleware(RequestLog)  # outermost: every answer carries its x-request-id
     return app
 
 

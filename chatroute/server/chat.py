@@ -180,6 +180,7 @@ async def _complete(
         return error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
+    trace.usage = response.usage
     return RecordedResponse(
         body,
         _headers(service, trace, extra_headers),
@@ -233,6 +234,8 @@ async def _stream(
         except BaseException:
             watch.stop()
             raise
+        if not finished:  # stopped at the first update that carries output
+            trace.first_output_at = time.perf_counter()
         encoder = StreamEncoder(model=_served_model(service, trace), include_usage=include_usage)
 
         def unsent() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import collections
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
@@ -42,8 +43,36 @@ class ServiceMetrics:
         )
         self.route_decisions = Counter(
             "chatroute_route_decisions",
-            "Routing decisions, by route and whether the default route was the fallback.",
-            ["route", "default"],
+            "Routing decisions, by endpoint (chat, route, classify), route and whether the "
+            "default route was the fallback.",
+            ["endpoint", "route", "default"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "chatroute_tokens",
+            "Tokens the providers reported, by route, provider and kind (prompt, completion, "
+            "cached: the prompt tokens read from a cache, reasoning: the completion tokens "
+            "spent on reasoning).",
+            ["route", "provider", "kind"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "chatroute_time_to_first_token_seconds",
+            "Time from a streamed chat request's start to its first output, by route and the "
+            "provider that served it.",
+            ["route", "provider"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.scoring = Gauge(
+            "chatroute_scoring_info",
+            "1 for the scoring mode in use (its name in `mode`).",
+            ["mode"],
+            registry=r,
+        )
+        self.scoring_training = Gauge(
+            "chatroute_scoring_training_seconds",
+            "Seconds training the scoring head took (0 for modes that do not train).",
             registry=r,
         )
         self.attempts = Counter(
@@ -182,6 +211,42 @@ class ServiceMetrics:
                 )
         for route, provider in trace.selections[:-1]:
             child(self.failovers, route, provider).inc()
+
+    def observe_decision(self, endpoint: str, route: str, is_default: bool) -> None:
+        """Count one routing decision of `endpoint` (chat, route or classify)."""
+        default = "true" if is_default else "false"
+        self.labelled(self.route_decisions, endpoint, route, default).inc()
+
+    def observe_decisions(self, endpoint: str, decisions: Iterable[tuple[str, bool]]) -> None:
+        """Count a batch of (route, is_default) decisions of `endpoint`."""
+        for (route, is_default), count in collections.Counter(decisions).items():
+            default = "true" if is_default else "false"
+            self.labelled(self.route_decisions, endpoint, route, default).inc(count)
+
+    def observe_output(self, trace: RequestTrace, started: float) -> None:
+        """Count a finished chat request's tokens and its time to first output."""
+        route, provider = trace.route or "", trace.provider or ""
+        if trace.first_output_at is not None:
+            self.labelled(self.time_to_first_token, route, provider).observe(
+                max(0.0, trace.first_output_at - started)
+            )
+        usage = trace.usage
+        if usage is None:
+            return
+        for kind, value in (
+            ("prompt", usage.input_token_count),
+            ("completion", usage.output_token_count),
+            ("cached", usage.cached_input_token_count),
+            ("reasoning", usage.reasoning_token_count),
+        ):
+            if value:
+                self.labelled(self.tokens, route, provider, kind).inc(value)
+
+    def set_scoring(self, mode: str, training_seconds: float | None) -> None:
+        """Name the scoring mode in use and how long its training took."""
+        self.scoring.clear()
+        self.scoring.labels(mode).set(1)
+        self.scoring_training.set(training_seconds or 0.0)
 
     def observe_cancellation(self, trace: RequestTrace) -> None:
         """Count a chat request its caller cut short (a disconnect or the deadline)."""

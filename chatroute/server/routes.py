@@ -13,6 +13,7 @@ from chatroute.server.chat import chat_completions
 from chatroute.server.embeddings import embedding_model_card, install_embeddings
 from chatroute.server.errors import APIError
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
+from chatroute.server.request_log import note_inputs
 from chatroute.server.service import (
     AUTO_MODEL,
     CHAT_PATH,
@@ -97,7 +98,7 @@ def install_routes(app: FastAPI) -> None:
         else:
             check_length(service, len(body.input or ""), "input")
             messages = [ChatMessage("user", body.input or "")]
-        decision = await decide(service, messages)
+        decision = await decide(service, messages, "route")
         result = engine.describe(decision, matches=True)
         service.metrics.observe_request(
             "route", result["route"], 200, time.perf_counter() - started
@@ -129,6 +130,8 @@ def install_routes(app: FastAPI) -> None:
             raise routing_failure(service, exc)
         engine = service.engine
         data = [{"index": i, **engine.describe(d)} for i, d in enumerate(decisions)]
+        service.metrics.observe_decisions("classify", [(d["route"], d["is_default"]) for d in data])
+        note_inputs(len(queries))
         service.metrics.classify_batch_size.observe(len(queries))
         service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
         return JSONResponse({"object": "list", "data": data})

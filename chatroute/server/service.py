@@ -16,6 +16,7 @@ from chatroute.engine import Engine
 from chatroute.router.decision import RouteDecision
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.metrics import ServiceMetrics
+from chatroute.server.request_log import note_decision, note_trace
 from chatroute.server.wire import WireMessage
 from chatroute.tracing import RequestTrace, TraceSink, end_trace
 
@@ -72,7 +73,9 @@ class Service:
                 "after" if trace.committed else "before",
                 trace.attempt_count,
             )
+        note_trace(trace)
         self.metrics.observe_trace(trace)
+        self.metrics.observe_output(trace, started)
         self.metrics.observe_cancellation(trace)
         self.metrics.observe_request(
             "chat_completions", route, status, time.perf_counter() - started
@@ -152,15 +155,16 @@ def routing_failure(service: Service, exc: Exception) -> APIError:
     return APIError(500, "routing failed", type="server_error", code="routing_failed")
 
 
-async def decide(service: Service, messages: Sequence[ChatMessage]) -> RouteDecision:
+async def decide(
+    service: Service, messages: Sequence[ChatMessage], endpoint: str = "chat"
+) -> RouteDecision:
     try:
         decision = await service.engine.decide(messages)
     except Exception as exc:
         raise routing_failure(service, exc)
     name = service.engine.route_name(decision.client)
-    metrics = service.metrics
-    default = "true" if decision.is_default else "false"
-    metrics.labelled(metrics.route_decisions, name, default).inc()
+    service.metrics.observe_decision(endpoint, name, decision.is_default)
+    note_decision(name, decision.score, decision.is_default)
     return decision
 
 

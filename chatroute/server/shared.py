@@ -224,7 +224,7 @@ class SharedBreakerState:
             if breaker.state is not BreakerState.CLOSED:
                 self._applying = True
                 try:
-                    breaker.reset()
+                    breaker.reset(reason="closed by another replica")
                 finally:
                     self._applying = False
                 self._count("received")
@@ -238,7 +238,7 @@ class SharedBreakerState:
             return  # already open at least as long
         self._applying = True
         try:
-            breaker.trip(remaining=remaining)
+            breaker.trip(remaining=remaining, reason="opened by another replica")
         finally:
             self._applying = False
         self._count("received")
