@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -104,6 +106,7 @@ def serve(
     settings = _config(config)
     log_format = settings.server.log_format
     configure_logging(settings.server.log_level, log_format)
+    _quiet_model_loading()
     proxies = settings.server.forwarded_allow_ips
     logging_options = {} if log_format == "text" else {"log_config": uvicorn_log_config(log_format)}
     run_server(
@@ -127,6 +130,16 @@ def serve(
         proxy_headers=bool(proxies),
         forwarded_allow_ips=proxies,
     )
+
+
+def _quiet_model_loading() -> None:
+    """No progress bars while the service loads its model: a service's stderr is its log
+    (one line per event, JSON lines with `log_format: json`)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 @app.command()

@@ -267,7 +267,8 @@ class RequestIdFilter(logging.Filter):
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time (UTC, ISO 8601), level, logger and message, plus a
-    request log line's fields (with `message` "request") and any exception's text."""
+    request log line's fields (with `message` "request"), the request id of a line logged
+    while a request ran, the start-up summary (`startup`) and any exception's text."""
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] | None = getattr(record, "request", None)
@@ -284,6 +285,9 @@ class JsonFormatter(logging.Formatter):
             request_id = getattr(record, "request_id", "-")
             if request_id != "-":
                 body["request_id"] = request_id
+        startup = getattr(record, "startup", None)
+        if isinstance(startup, dict):
+            body["startup"] = startup
         if record.exc_info:
             body["exception"] = self.formatException(record.exc_info)
         return json.dumps(body, ensure_ascii=False, default=str)
