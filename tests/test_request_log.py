@@ -456,3 +456,26 @@ def test_serve_with_json_logs_writes_only_json_lines_and_the_request_line(
     assert all(json.loads(line) for line in records)  # every line is one JSON object
     assert any(json.loads(line)["logger"].startswith("uvicorn") for line in records)
     assert not any(key in line or "sk-primary-secret-42" in line for line in records)
+
+
+async def test_an_unexpected_500_carries_its_request_id_and_is_logged(
+    default_embedder: Callable[[], Any], logs: Capture
+) -> None:
+    import httpx
+
+    from chatroute.config import parse_config
+    from chatroute.server import create_app
+
+    nowhere = "http://127.0.0.1:9"
+    config = parse_config(build({"primary": nowhere, "fallback": nowhere}), environ={})
+    app = create_app(config, api_keys=[], environ={}, embedder=default_embedder())
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        answer = await client.get("/boom", headers={"x-request-id": "boom-1"})
+    assert answer.status_code == 500 and answer.headers["x-request-id"] == "boom-1"
+    assert logs.request_line("boom-1").request["status"] == 500

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from chatroute import __version__
 from chatroute.chat.embedding import EmbeddingGenerator
@@ -37,7 +38,8 @@ logger = logging.getLogger("chatroute.server")
 
 class ChatrouteApp(FastAPI):
     """The service's FastAPI app. The chat route validates its body itself (the admission
-    guard parsed it once), so its request schema is added to the OpenAPI document here."""
+    guard parsed it once), so its request schema is added to the OpenAPI document here.
+    `RequestLog` wraps everything: every answer carries an `x-request-id`."""
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is not None:
@@ -50,6 +52,11 @@ class ChatrouteApp(FastAPI):
         schemas.update(schema.pop("$defs", {}))
         schemas["ChatCompletionRequest"] = schema
         return document
+
+    def build_middleware_stack(self) -> ASGIApp:
+        # Outside Starlette's own error middleware too: an unexpected 500 carries its
+        # x-request-id and is logged with its status.
+        return RequestLog(super().build_middleware_stack())
 
 
 def create_app(
@@ -167,7 +174,6 @@ def create_app(
         body_timeout=config.server.body_timeout,
     )
     app.add_middleware(RequestGuard, admission=admission)
-    app.add_middleware(RequestLog)  # outermost: every answer carries its x-request-id
     return app
 
 

@@ -248,6 +248,10 @@ class RequestLog:
         token = _current.set(record)
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            if record.status is None:
+                record.status = 500
+            raise
         finally:
             _current.reset(token)
             if record.status is None and record.trace is None:
