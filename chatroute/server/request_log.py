@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatroute.tracing import RequestTrace
@@ -133,15 +134,15 @@ def request_fields(record: RequestRecord, latency: float) -> dict[str, Any]:
         if trace.first_output_at is not None:
             fields["ttft_ms"] = _ms(max(0.0, trace.first_output_at - record.started))
         fields["stream"] = trace.stream
-        fields["attempts"] = [
-            {
-                "provider": a.provider,
-                "outcome": a.outcome,
-                **({"failure": a.failure_kind} if a.failure_kind else {}),
-                "duration_ms": _ms(a.attempt.duration),
-            }
-            for a in trace.attempts
-        ]
+        attempts = []
+        for attempt in trace.attempts:
+            entry: dict[str, Any] = {"provider": attempt.provider, "outcome": attempt.outcome}
+            failure = attempt.failure_kind
+            if failure is not None:
+                entry["failure"] = failure
+            entry["duration_ms"] = _ms(attempt.attempt.duration)
+            attempts.append(entry)
+        fields["attempts"] = attempts
         if trace.cancelled is not None:
             fields["cancelled"] = trace.cancelled
         usage = trace.usage
@@ -163,8 +164,11 @@ _BARE: Final = re.compile(r"[A-Za-z0-9._:,@+/-]+")
 
 
 def _value(value: Any) -> str:
-    if isinstance(value, bool):
+    kind = type(value)
+    if kind is bool:
         return "true" if value else "false"
+    if kind is int or kind is float:
+        return str(value)
     if value is None:
         return "-"
     text = str(value)
@@ -177,14 +181,9 @@ def logfmt(fields: dict[str, Any]) -> str:
     parts = []
     for name, value in fields.items():
         if name == "attempts":
-            value = ",".join(
-                ":".join(
-                    str(a[k]) for k in ("provider", "outcome", "failure", "duration_ms") if k in a
-                )
-                for a in value
-            )
             if not value:
                 continue
+            value = ",".join(":".join(map(str, attempt.values())) for attempt in value)
         parts.append(f"{name}={_value(value)}")
     return " ".join(parts)
 
@@ -294,7 +293,7 @@ class JsonFormatter(logging.Formatter):
             body["startup"] = startup
         if record.exc_info:
             body["exception"] = self.formatException(record.exc_info)
-        return json.dumps(body, ensure_ascii=False, default=str)
+        return orjson.dumps(body, default=str).decode()
 
 
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
