@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -75,33 +76,36 @@ class RequestRecord:
     trace: RequestTrace | None = None
 
 
-_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+# A weak reference, as in chatroute.tracing: callbacks scheduled during a request copy
+# the context and may outlive it; they must not keep its record (and trace) alive.
+_current: contextvars.ContextVar[weakref.ref[RequestRecord] | None] = contextvars.ContextVar(
     "chatroute_request_record", default=None
 )
 
 
 def current_request() -> RequestRecord | None:
     """The record of the HTTP request running in the current context, if any."""
-    return _current.get()
+    ref = _current.get()
+    return ref() if ref is not None else None
 
 
 def note_decision(route: str, score: float | None, is_default: bool) -> None:
     """Record the routing decision of the current request (for its log line)."""
-    record = _current.get()
+    record = current_request()
     if record is not None:
         record.route, record.score, record.is_default = route, score, is_default
 
 
 def note_inputs(count: int) -> None:
     """Record how many inputs the current request classified."""
-    record = _current.get()
+    record = current_request()
     if record is not None:
         record.inputs = count
 
 
 def note_trace(trace: RequestTrace) -> None:
     """Attach a finished chat request's trace to the current request's record."""
-    record = _current.get()
+    record = current_request()
     if record is not None:
         record.trace = trace
 
@@ -244,7 +248,7 @@ class RequestLog:
                 message = {**message, "headers": headers}
             await send(message)
 
-        token = _current.set(record)
+        token = _current.set(weakref.ref(record))
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
@@ -263,7 +267,7 @@ class RequestIdFilter(logging.Filter):
     so every line a request causes (a failover, an error) can be joined to its log line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        current = _current.get()
+        current = current_request()
         record.request_id = current.request_id if current is not None else "-"
         return True
 
