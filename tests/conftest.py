@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -37,6 +38,18 @@ class BorrowedEmbedder(EmbeddingGenerator):
 
     def __getattr__(self, name: str) -> Any:  # queue_depth, add_batch_listener, device, ...
         return getattr(self.inner, name)
+
+
+@pytest.fixture(autouse=True)
+def _chatroute_logging() -> Iterator[None]:
+    """Undo the logging set-up an in-process `chatroute serve` makes (a handler, a level,
+    no propagation), so it does not outlive its test."""
+    target = logging.getLogger("chatroute")
+    handlers, level, propagate = list(target.handlers), target.level, target.propagate
+    yield
+    target.handlers[:] = handlers
+    target.setLevel(level)
+    target.propagate = propagate
 
 
 @pytest.fixture(scope="session")

@@ -206,12 +206,10 @@ def _invoke(args: list[str]) -> Any:
 def test_check_catches_the_bad_config_and_serve_fails_with_the_same_line(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import uvicorn
-
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("serve started on a bad config")
 
-    monkeypatch.setattr(uvicorn, "run", never)
+    monkeypatch.setattr("chatroute.server.startup.run_server", never)
     case = CASES[name]
     path = _write_case(name, tmp_path / "case")
     expected = f"error: {path}: " + case.expected.format(folder=path.parent)
@@ -267,12 +265,10 @@ def test_check_loads_the_model_unless_told_not_to(
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     runner = CliRunner()
 
-    import uvicorn
-
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("serve started although its model cannot be loaded")
 
-    monkeypatch.setattr(uvicorn, "run", never)
+    monkeypatch.setattr("chatroute.server.startup.run_server", never)
 
     loaded = runner.invoke(app, ["check", "--config", str(path)], catch_exceptions=False)
     skipped = runner.invoke(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,18 +244,7 @@ def test_serve_runs_uvicorn_on_the_guarded_protocol_and_trusts_only_named_proxie
     )
     monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # serve sets it; restored after
-    chatroute_logger = logging.getLogger("chatroute")
-    handlers, level, propagate = (
-        list(chatroute_logger.handlers),
-        chatroute_logger.level,
-        chatroute_logger.propagate,
-    )
-    try:
-        result = run("serve", "--config", path)
-    finally:  # serve set up logging to this test's (soon closed) stderr: undo that
-        chatroute_logger.handlers[:] = handlers
-        chatroute_logger.setLevel(level)
-        chatroute_logger.propagate = propagate
+    result = run("serve", "--config", path)
     assert result.exit_code == 0, result.output
     assert issubclass(seen["http"], GuardedHttpProtocol) and seen["http"].head_timeout == 4
     assert seen["port"] == 8123

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 import weakref
@@ -300,13 +301,21 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(body, default=str).decode()
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is when a line is logged (not when it was made)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
 def configure_logging(level: str, log_format: Literal["text", "json"] = "text") -> logging.Handler:
     """Send the `chatroute` loggers to stderr at `level`, as text or JSON lines; returns
     the handler (uvicorn's own loggers are set up by `uvicorn_log_config`)."""
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     formatter: logging.Formatter = (
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
