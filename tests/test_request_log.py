@@ -147,6 +147,7 @@ def test_a_chat_request_logs_one_line_with_route_attempts_tokens_and_key_hash(
     assert raw.headers["x-request-id"] == "req-0001"
     assert raw.parse().choices[0].message.content == "hi"
     record = logs.request_line("req-0001")
+    assert record.request_id == "req-0001"  # type: ignore[attr-defined]
     fields = record.request
     assert record.levelno == logging.INFO
     assert fields["route"] == "chain" and fields["default"] is False
@@ -345,7 +346,8 @@ def test_the_startup_summary_names_what_runs_and_never_a_key(
     assert "auth on; shared state off" in text
     assert "route chain (default): 1 utterances, failover primary -> fallback" in text
     assert "provider primary: openai primary-model at http://127.0.0.1:" in text
-    assert "API key set" in text and "sk-secret-primary-000" not in text
+    assert "API key set (PRIMARY_KEY)" in text and "API key NOT set (FALLBACK_KEY)" in text
+    assert "sk-secret-primary-000" not in text
 
 
 def test_ready_is_logged_only_once_the_port_is_bound(

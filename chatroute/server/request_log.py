@@ -257,10 +257,10 @@ class RequestLog:
                 record.status = 500
             raise
         finally:
-            _current.reset(token)
             if record.status is None and record.trace is None:
                 record.status = 499  # nothing was answered: the caller left first
             _log_request(record)
+            _current.reset(token)
 
 
 class RequestIdFilter(logging.Filter):

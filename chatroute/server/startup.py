@@ -60,6 +60,7 @@ def startup_summary(
             "endpoint": _endpoint(base_url),
             "model": engine.provider_models.get(name),
             "key": "none" if key_env is None else ("set" if environ.get(key_env) else "unset"),
+            "key_env": key_env,
         }
     return {
         "version": __version__,
@@ -110,13 +111,16 @@ def log_startup(summary: Mapping[str, Any]) -> None:
             " -> ".join(route["failover"]),
         )
     for name, provider in summary["providers"].items():
+        key = provider["key"]
         logger.info(
-            "provider %s: %s %s at %s, API key %s",
+            "provider %s: %s %s at %s, %s",
             name,
             provider["type"],
             provider["model"],
             provider["endpoint"],
-            provider["key"],
+            "no API key configured"
+            if key == "none"
+            else f"API key {'set' if key == 'set' else 'NOT set'} ({provider['key_env']})",
         )
 
 
