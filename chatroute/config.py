@@ -156,7 +156,8 @@ class ProviderTimeouts(_Strict):
 
     `attempt` bounds a whole attempt (a non-streamed answer, or a whole stream); it is
     also accepted under its older name `request`. `first_token` bounds the wait for the
-    first content-bearing event of a stream (connecting included); `stall` the silence
+    first content-bearing event of a stream (connecting included), or for a non-streamed
+    answer's response head; `stall` the silence
     between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
     are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
     the next bytes of an answer), `write` (sending a request the upstream is slow to take
@@ -304,8 +305,10 @@ class ProviderConfig(_Strict):
     `anthropic` provider when a request sets none (its API requires one). `query` holds
     parameters every call carries in its URL (Azure OpenAI's `api-version`), and
     `api_key_header: api-key` sends the key as Azure's `api-key` header rather than
-    `Authorization: Bearer` (openai providers). Header names and values may not hold CR,
-    LF or NUL.
+    `Authorization: Bearer` (openai providers). `pass_through`: which request fields
+    chatroute does not know are forwarded ("all", "none" or a list of names; unset: "all"
+    for openai, "none" for anthropic); `extra_body` wins over the caller's fields. Header
+    names and values may not hold CR, LF or NUL.
     """
 
     type: str = "openai"
@@ -323,6 +326,7 @@ class ProviderConfig(_Strict):
     query: dict[str, str] = Field(default_factory=dict)
     api_key_header: Literal["authorization", "api-key"] = "authorization"
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    pass_through: Literal["all", "none"] | list[Annotated[str, Field(min_length=1)]] | None = None
 
     @field_validator("query")
     @classmethod
@@ -375,7 +379,8 @@ class ProviderConfig(_Strict):
 
 
 class RouteOptions(_Strict):
-    """Chat options a route sets on every request it serves (they override the caller's)."""
+    """Chat options of a route: as `options`, defaults the caller's request overrides; as
+    `override`, values forced whatever the caller sent (see `chatroute.precedence`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -392,28 +397,10 @@ class RouteOptions(_Strict):
     extra_body: dict[str, Any] | None = None
 
     def apply(self, options: ChatOptions) -> None:
-        """Set every configured field on `options` (a clone owned by the route)."""
-        for name in (
-            "temperature",
-            "top_p",
-            "max_output_tokens",
-            "seed",
-            "frequency_penalty",
-            "presence_penalty",
-            "instructions",
-            "response_format",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(options, name, value)
-        if self.stop_sequences is not None:
-            options.stop_sequences = list(self.stop_sequences)
-        if self.reasoning_effort is not None:
-            options.reasoning = {"effort": self.reasoning_effort}
-        if self.extra_body:
-            extra = dict(options.additional_properties or {})
-            extra.update(self.extra_body)
-            options.additional_properties = extra
+        """Fill in on `options` (a clone owned by the route) what the caller left unset."""
+        from chatroute.precedence import fill_defaults
+
+        fill_defaults(self, options)
 
     def is_empty(self) -> bool:
         """True when the route sets nothing."""
@@ -426,12 +413,15 @@ class RouteConfig(_Strict):
     `max_attempts`, `deadline`, `retry_same_provider`, `max_tries_per_provider`,
     `retry_backoff` and `retry_after_max` override the `resilience` defaults for this
     route; `timeouts` overrides its providers' attempt, first-token and stall limits.
+    `options` are defaults for the request options the caller leaves unset; `override`
+    forces its values whatever the caller sent.
     """
 
     description: str | None = None
     utterances: list[Utterance] = Field(default_factory=list)
     targets: list[Name] = Field(min_length=1)
     options: RouteOptions = RouteOptions()
+    override: RouteOptions = RouteOptions()
     max_attempts: int | None = Field(default=None, ge=1)
     deadline: PositiveSeconds | None = None
     retry_same_provider: bool | None = None

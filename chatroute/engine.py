@@ -16,6 +16,7 @@ from chatroute.config import ChatrouteConfig, ConfigError, ProviderConfig, Route
 from chatroute.failover.breaker import BreakerSettings, CircuitBreakerRegistry
 from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
+from chatroute.precedence import route_configure
 from chatroute.router.decision import RouteDecision, ScoreAggregation
 from chatroute.router.policy import Router
 from chatroute.router.scoring import make_scoring
@@ -316,10 +317,9 @@ def build_engine(
             maximum_attempts_per_request=policy.max_attempts,
         )
         chains[route_name] = chain
+        configure = route_configure(route)  # its options as defaults, then its override
         routes[route_name] = (
-            chain
-            if route.options.is_empty()
-            else ConfigureOptionsChatClient(chain, route.options.apply)
+            chain if configure is None else ConfigureOptionsChatClient(chain, configure)
         )
     generator = embedder if embedder is not None else build_embedder(config)
     thresholds = (

@@ -186,12 +186,45 @@ def test_route_options_apply_on_a_clone_and_accept_openai_names() -> None:
         "extra_body": {"top_k": 20},
     }
     options = parse_config(data, environ={}).routes["code"].options
-    target = ChatOptions(temperature=0.9, additional_properties={"user_flag": 1})
+    # A route's options are defaults: what the caller sent stays, the rest is filled in.
+    target = ChatOptions(temperature=0.9, additional_properties={"user_flag": 1, "top_k": 5})
     options.apply(target)
-    assert target.temperature == 0.1 and target.max_output_tokens == 256
+    assert target.temperature == 0.9 and target.max_output_tokens == 256
     assert target.stop_sequences == ["###"]
     assert target.reasoning == {"effort": "high"}
-    assert target.additional_properties == {"user_flag": 1, "top_k": 20}
+    assert target.additional_properties == {"user_flag": 1, "top_k": 5}
+    bare = ChatOptions()
+    options.apply(bare)
+    assert bare.temperature == 0.1 and bare.additional_properties == {"top_k": 20}
+
+
+def test_a_route_override_forces_its_values_and_names_those_it_changed() -> None:
+    from chatroute.precedence import overridden_fields, route_configure
+
+    data = base()
+    data["routes"]["code"]["options"] = {"temperature": 0.8, "seed": 1}
+    data["routes"]["code"]["override"] = {
+        "temperature": 0.2,
+        "max_tokens": 100,
+        "extra_body": {"top_k": 20},
+    }
+    route = parse_config(data, environ={}).routes["code"]
+    configure = route_configure(route)
+    assert configure is not None
+    caller = ChatOptions(
+        temperature=0.0,
+        max_output_tokens=100,
+        seed=7,
+        additional_properties={"top_k": 40, "min_p": 0.1},
+    )
+    sent = caller.clone()
+    configure(sent)
+    assert (sent.temperature, sent.max_output_tokens, sent.seed) == (0.2, 100, 7)
+    assert sent.additional_properties == {"top_k": 20, "min_p": 0.1}
+    # Named: what the caller sent and the override changed (max_tokens was already 100).
+    assert overridden_fields(route.override, caller) == ["temperature", "top_k"]
+    assert overridden_fields(route.override, ChatOptions()) == []
+    assert route_configure(parse_config(base(), environ={}).routes["general"]) is None
 
 
 def test_engine_builds_chains_wrappers_and_router() -> None:

@@ -44,7 +44,8 @@ from chatroute.errors import (
     redact,
     status_error,
 )
-from chatroute.failover.timeouts import check_limit, stream_within, within
+from chatroute.failover.timeouts import check_limit, head_within, stream_within, within
+from chatroute.providers.pass_through import PassThrough, report_ignored
 from chatroute.providers.sse import SSEReader
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class HTTPSettings(TypedDict, total=False):
     context_window: int | None
     verify: bool | str | ssl.SSLContext
     default_query: Mapping[str, str] | None
+    pass_through: PassThrough | None
 
 
 class _Keep:
@@ -253,10 +255,10 @@ class HTTPChatClient(ChatClient):
         read, not the whole head). `write_timeout` is accepted for compatibility; aiohttp
         bounds no single write, and a whole attempt is bounded by `request_timeout`.
       - `request_timeout`: a whole attempt (non-streaming), or a whole stream.
-      - `first_token_timeout` (streams): from the call to the first content-bearing
-        update (`FirstTokenTimeoutError`); `stall_timeout`: the longest gap between two
-        updates after it (`StreamStallTimeoutError`). Both are applied as
-        `TimeoutChatClient` applies them (`chatroute.failover.timeouts`).
+      - `first_token_timeout`: from the call to a stream's first content-bearing update,
+        or to a non-streamed answer's response head (`FirstTokenTimeoutError`);
+        `stall_timeout`: the longest gap between two updates of a stream after it
+        (`StreamStallTimeoutError`). Applied as `chatroute.failover.timeouts` does.
       - `tail_timeout` (streams): after the finish reason, the longest wait for the rest
         (a usage event, the end of the body); when it runs out the stream simply ends.
 
@@ -276,6 +278,7 @@ class HTTPChatClient(ChatClient):
     path: ClassVar[str] = ""
     models_path: ClassVar[str] = "models"
     default_base_url: ClassVar[str | None] = None
+    default_pass_through: ClassVar[PassThrough] = "all"
     reserved_body_keys: ClassVar[frozenset[str]] = frozenset({"model", "messages", "stream"})
     request_id_headers: ClassVar[tuple[str, ...]] = ("x-request-id",)
 
@@ -302,6 +305,7 @@ class HTTPChatClient(ChatClient):
         context_window: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
         default_query: Mapping[str, str] | None = None,
+        pass_through: PassThrough | None = None,
     ) -> None:
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("model must be a non-empty string or None")
@@ -328,6 +332,7 @@ class HTTPChatClient(ChatClient):
         self.stall_timeout = check_limit("stall_timeout", stall_timeout)
         self.tail_timeout = _positive("tail_timeout", tail_timeout) or 2.0
         self.extra_body = dict(extra_body) if extra_body else None
+        self.pass_through = self.default_pass_through if pass_through is None else pass_through
         self.context_window = context_window
         self._secrets: tuple[str, ...] = (api_key,) if api_key else ()
         self._closed = False
@@ -394,6 +399,10 @@ class HTTPChatClient(ChatClient):
     def _translator(self) -> StreamTranslator:
         """A reader of one stream's events."""
         raise NotImplementedError
+
+    def _ignored_params(self, options: ChatOptions | None) -> list[str]:
+        """The request fields this provider does not send (x-chatroute-ignored-params)."""
+        return []
 
     def _status_label(self, etype: str | None, code: str | None) -> str | None:
         """What an HTTP error's message names it by."""
@@ -578,10 +587,13 @@ class HTTPChatClient(ChatClient):
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> ChatResponse:
         body = self._body(messages, options, stream=False)
-        return await within(lambda: self._answer(body), self.request_timeout, name=self.name)
+        answer = await within(lambda: self._answer(body), self.request_timeout, name=self.name)
+        report_ignored(answer, self._ignored_params(options))  # for the service's header
+        return answer
 
     async def _answer(self, body: bytes) -> ChatResponse:
-        response = await self._post(body)
+        limit = self.first_token_timeout  # the head: most servers send it with the answer
+        response = await head_within(lambda: self._post(body), limit, name=self.name)
         try:
             raw = await response.read()
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
@@ -673,6 +685,7 @@ class HTTPChatClient(ChatClient):
                     update = _merge(held, update)
                     held.clear()
                     committed = True
+                    report_ignored(update, self._ignored_params(options))
                 yield update
             if not translator.finished:
                 raise TruncatedStreamError(

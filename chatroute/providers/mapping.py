@@ -23,6 +23,7 @@ from chatroute.chat.types import (
     UriContent,
     UsageDetails,
 )
+from chatroute.providers.pass_through import PassThrough, passed_extras
 
 __all__ = [
     "AUDIO_MEDIA_TYPES",
@@ -43,6 +44,7 @@ __all__ = [
 MaxTokensParam = Literal["max_tokens", "max_completion_tokens"]
 
 OPENAI_EXTRA_FIELDS: tuple[str, ...] = (
+    "n",
     "parallel_tool_calls",
     "logprobs",
     "top_logprobs",
@@ -349,12 +351,16 @@ def build_request(
     include_usage: bool = True,
     send_reasoning: bool = True,
     extra_body: Mapping[str, Any] | None = None,
+    pass_through: PassThrough = "all",
 ) -> dict[str, Any]:
     """The JSON body of a chat-completions request.
 
     `options.model_id` overrides `default_model`; `max_output_tokens` goes out as
-    `max_tokens_param`; `reasoning` (an effort string, or a dict with "effort") becomes
-    `reasoning_effort`; `additional_properties` are passed through last and win.
+    `max_tokens_param`, or as `max_completion_tokens` when `additional_properties` has
+    that key (the caller's own name for it); `reasoning` (an effort string, or a dict with
+    "effort") becomes `reasoning_effort`; `additional_properties` (the caller's unknown
+    fields as `pass_through` allows) are added after the options, and `extra_body` (the
+    operator's) last: it wins.
     """
     opts = options if options is not None else ChatOptions()
     model = opts.model_id or default_model
@@ -372,6 +378,9 @@ def build_request(
         value = getattr(opts, key)
         if value is not None:
             body[key] = value
+    extras, _ = passed_extras(opts, pass_through)
+    if extras.pop("max_completion_tokens", None) is not None:
+        max_tokens_param = "max_completion_tokens"
     if opts.max_output_tokens is not None:
         body[max_tokens_param] = opts.max_output_tokens
     if opts.stop_sequences:
@@ -389,10 +398,9 @@ def build_request(
         body["stream"] = True
         if include_usage:
             body["stream_options"] = {"include_usage": True}
+    body.update(extras)
     if extra_body:
         body.update(extra_body)
-    if opts.additional_properties:
-        body.update(opts.additional_properties)
     return body
 
 

@@ -17,6 +17,7 @@ from chatroute.providers.mapping import (
     response_from_openai,
     update_from_openai_chunk,
 )
+from chatroute.providers.pass_through import passed_extras
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -75,7 +76,8 @@ class OpenAIChatClient(HTTPChatClient):
     `HTTPChatClient`'s; this class translates. Requests carry `ChatOptions` as the OpenAI
     body (`chatroute.providers.mapping.build_request`): `model_id` overrides `model`,
     `max_output_tokens` is sent as `max_tokens_param`, `additional_properties` pass
-    through as extra body fields; streams ask for usage (`include_usage`). Responses name
+    through as extra body fields (the caller's unknown fields as `pass_through` allows:
+    "all", "none" or a set of names), then `extra_body`; streams ask for usage. Responses name
     the model the upstream reports in `model_id` and this client's `name` in
     `additional_properties["provider"]`. A stream is complete at a finish reason or
     `[DONE]`; an `{"error": ...}` payload in a 200 answer or stream is an
@@ -145,7 +147,11 @@ class OpenAIChatClient(HTTPChatClient):
             include_usage=self.include_usage,
             send_reasoning=self.send_reasoning,
             extra_body=self.extra_body,
+            pass_through=self.pass_through,
         )
+
+    def _ignored_params(self, options: ChatOptions | None) -> list[str]:
+        return passed_extras(options, self.pass_through)[1]
 
     def _read_answer(self, data: dict[str, Any]) -> ChatResponse:
         if data.get("error"):

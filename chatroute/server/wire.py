@@ -161,7 +161,8 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class ChatCompletionRequest(_Open):
-    """The body of `POST /v1/chat/completions`; unknown fields are accepted and ignored."""
+    """The body of `POST /v1/chat/completions`; unknown fields are kept for the providers
+    to pass on (each as its `pass_through` setting allows)."""
 
     model: str | None = None
     messages: list[WireMessage] = Field(min_length=1)
@@ -169,7 +170,7 @@ class ChatCompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
@@ -396,6 +397,15 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
         }
         if extra:
             options.additional_properties = extra
+    if request.max_completion_tokens is not None:  # sent on under the caller's name
+        options.additional_properties = {
+            **(options.additional_properties or {}),
+            "max_completion_tokens": request.max_completion_tokens,
+        }
+    unknown = request.__pydantic_extra__  # request.model_extra, without the property
+    if unknown:
+        options.additional_properties = {**unknown, **(options.additional_properties or {})}
+        options.pass_through_fields = frozenset(unknown)
     return options
 
 
