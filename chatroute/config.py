@@ -30,6 +30,7 @@ __all__ = [
     "BreakerConfig",
     "ChatrouteConfig",
     "ConfigError",
+    "CorsConfig",
     "EmbedderConfig",
     "ProviderConfig",
     "ProviderTimeouts",
@@ -83,6 +84,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CorsConfig(_Strict):
+    """Cross-origin access for browser callers (Starlette's CORSMiddleware); the keys are
+    its arguments. `allow_origins` lists the origins (`"*"`: any) whose pages may call
+    the API; `expose_headers` the answer headers their scripts may read."""
+
+    allow_origins: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    allow_origin_regex: str | None = None
+    allow_methods: list[str] = ["GET", "POST"]
+    allow_headers: list[str] = ["*"]
+    allow_credentials: bool = False
+    expose_headers: list[str] = [
+        "x-chatroute-route",
+        "x-chatroute-provider",
+        "x-chatroute-attempts",
+        "x-chatroute-ignored-params",
+        "x-chatroute-overridden",
+        "retry-after",
+    ]
+    max_age: int = Field(default=600, ge=0)
+
+
 class ServerConfig(_Strict):
     """Where the service listens and the limits it enforces on requests.
 
@@ -97,7 +119,8 @@ class ServerConfig(_Strict):
     chat path); None leaves Python's setting.
     `forwarded_allow_ips` lists the proxies (addresses or networks, `"*"` for any) whose
     `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
-    and each request costs one middleware less.
+    and each request costs one middleware less. `cors` answers browsers' cross-origin
+    requests (`CorsConfig`); unset (the default), no cross-origin access is granted.
     """
 
     host: str = "127.0.0.1"
@@ -114,6 +137,7 @@ class ServerConfig(_Strict):
     gc_threshold: int | None = Field(default=20_000, ge=100)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     forwarded_allow_ips: list[Annotated[str, Field(min_length=1)]] | None = None
+    cors: CorsConfig | None = None
 
 
 class EmbedderConfig(_Strict):

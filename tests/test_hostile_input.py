@@ -310,3 +310,13 @@ async def test_a_declared_length_over_the_limit_is_413_before_the_body_is_awaite
     writer.close()
     assert answer.startswith(b"HTTP/1.1 413"), answer
     assert stack.attempts()["primary"] == 0
+
+
+def test_cross_origin_access_is_off_by_default(stack: ServiceStack) -> None:
+    import httpx
+
+    preflight = httpx.options(
+        f"{stack.url}/v1/chat/completions",
+        headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers

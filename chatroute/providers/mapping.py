@@ -590,7 +590,9 @@ def _str_or_none(value: Any) -> str | None:
 def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
     """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
 
-    Only the first choice is read. Raises ValueError when it is not a chat completion.
+    The first choice is the response; with several (`n` > 1) the others are responses of
+    their own in `additional_properties["more_choices"]`. Raises ValueError when it is
+    not a chat completion.
     """
     data = _plain(completion)
     choice = _first_choice(data)
@@ -611,6 +613,9 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     logprobs = choice.get("logprobs")
     if logprobs is not None:
         props["logprobs"] = _plain(logprobs) if not isinstance(logprobs, Mapping) else logprobs
+    others = (data.get("choices") or [])[1:]  # n > 1: each further choice as a response of its own
+    if others:
+        props["more_choices"] = [response_from_openai({**data, "choices": [c]}) for c in others]
     return ChatResponse(
         messages=[message],
         model_id=_str_or_none(data.get("model")),
@@ -626,8 +631,10 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
 def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> ChatResponseUpdate:
     """A ChatResponseUpdate from one streamed chunk (decoded JSON or SDK object).
 
-    Only the first choice is read; a chunk without choices (usage, prompt filter results)
-    gives an update with no contents. Raises ValueError on a malformed chunk.
+    A choice other than the first (`n` > 1) is named by `additional_properties
+    ["choice_index"]`; a chunk with several choices gives the first's update with the
+    others' in `additional_properties["more_choices"]`. A chunk without choices (usage,
+    prompt filter results) gives an update with no contents. Raises ValueError on a malformed chunk.
     """
     data = _plain(chunk)
     choice = _first_choice(data)
@@ -659,6 +666,16 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
         if logprobs is not None:
             props = props or {}
             props["logprobs"] = logprobs if isinstance(logprobs, Mapping) else _plain(logprobs)
+        index = choice.get("index")
+        if isinstance(index, int) and index:  # n > 1: which choice this update belongs to
+            props = {**(props or {}), "choice_index": index}
+        others = (data.get("choices") or [])[1:]  # several choices in one chunk: one update each
+        if others:
+            more = [
+                update_from_openai_chunk({**data, "choices": [c]}, provider=provider)
+                for c in others
+            ]
+            props = {**(props or {}), "more_choices": more}
     return ChatResponseUpdate(
         role=role,
         contents=contents,

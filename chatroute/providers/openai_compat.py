@@ -47,12 +47,14 @@ def _error_event(
 class _Chunks:
     """Reads one chat-completions stream: `chat.completion.chunk` events, then `[DONE]`."""
 
-    __slots__ = ("client", "ended", "finished")
+    __slots__ = ("client", "done", "ended", "finished", "seen")
 
     def __init__(self, client: OpenAIChatClient) -> None:
         self.client = client
-        self.finished = False  # a finish reason or [DONE] arrived: the answer is complete
+        self.finished = False  # each choice's finish reason or [DONE] arrived: complete
         self.ended = False  # [DONE] arrived
+        self.seen: set[int] = set()  # the choices (n > 1) seen, and those finished
+        self.done: set[int] = set()
 
     def feed(self, event: str | None, data: str) -> ChatResponseUpdate | None:
         if data.strip() == "[DONE]":
@@ -64,8 +66,14 @@ class _Chunks:
         if payload.get("error") or event == "error":
             raise _error_event(payload, self.client.name, self.client._secrets)
         update = update_from_openai_chunk(payload, provider=self.client.name)
-        if update.finish_reason is not None:
-            self.finished = True
+        props = update.additional_properties or {}
+        for each in (update, *props.get("more_choices", ())):
+            index = (each.additional_properties or {}).get("choice_index", 0)
+            if each.contents or each.role is not None or each.finish_reason is not None:
+                self.seen.add(index)
+            if each.finish_reason is not None:
+                self.done.add(index)
+        self.finished = bool(self.done) and self.seen <= self.done
         return update
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from chatroute import __version__
 from chatroute.chat.embedding import EmbeddingGenerator
@@ -165,6 +166,9 @@ def create_app(
         body_timeout=config.server.body_timeout,
     )
     app.add_middleware(RequestGuard, admission=admission)
+    cors = config.server.cors
+    if cors is not None:  # outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, **cors.model_dump())
     return app
 
 
