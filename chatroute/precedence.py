@@ -64,6 +64,8 @@ def force_values(route: RouteOptions, options: ChatOptions) -> None:
             **(options.additional_properties or {}),
             **route.extra_body,
         }
+        if options.pass_through_fields:  # forced fields are the operator's, not the caller's
+            options.pass_through_fields = options.pass_through_fields.difference(route.extra_body)
 
 
 def overridden_fields(route: RouteOptions, options: ChatOptions) -> list[str]:

@@ -221,6 +221,10 @@ def test_a_route_override_forces_its_values_and_names_those_it_changed() -> None
     configure(sent)
     assert (sent.temperature, sent.max_output_tokens, sent.seed) == (0.2, 100, 7)
     assert sent.additional_properties == {"top_k": 20, "min_p": 0.1}
+    caller.pass_through_fields = frozenset({"top_k", "min_p"})
+    sent = caller.clone()
+    configure(sent)  # the forced top_k is the operator's: no pass_through setting drops it
+    assert sent.pass_through_fields == frozenset({"min_p"})
     # Named: what the caller sent and the override changed (max_tokens was already 100).
     assert overridden_fields(route.override, caller) == ["temperature", "top_k"]
     assert overridden_fields(route.override, ChatOptions()) == []
@@ -434,3 +438,22 @@ def test_header_values_that_could_split_the_request_head_are_refused_with_the_ke
     with pytest.raises(ConfigError, match=r"providers\.p\.api_key_env.*KEY holds CR, LF"):
         parse_config(config(api_key_env="KEY"), environ={"KEY": "sk-abc\r\nx-evil: 1"})
     parse_config(config(headers={"x-team": "blue"}, api_key_env="KEY"), environ={"KEY": "sk-1"})
+
+
+def test_pass_through_and_cors_take_only_what_they_mean() -> None:
+    data = base()
+    data["providers"]["strong"]["pass_through"] = ["top_k"]
+    data["server"] = {"cors": {"allow_origins": ["https://app.example"]}}
+    config = parse_config(data, environ={})
+    assert config.providers["strong"].pass_through == ["top_k"]
+    assert config.providers["fast"].pass_through is None  # the provider type's default
+    assert config.server.cors is not None and config.server.cors.allow_methods == ["GET", "POST"]
+    assert parse_config(base(), environ={}).server.cors is None  # off by default
+    data["providers"]["strong"]["pass_through"] = "some"
+    data["server"] = {"cors": {}}
+    found = problems(data)
+    assert any(p.startswith("providers.strong.pass_through") for p in found), found
+    assert any(p.startswith("server.cors.allow_origins") for p in found), found
+    data = base()
+    data["routes"]["code"]["overide"] = {"temperature": 0}
+    assert any("did you mean 'override'" in p for p in problems(data))
