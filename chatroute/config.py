@@ -181,11 +181,11 @@ class ProviderTimeouts(_Strict):
     `attempt` bounds a whole attempt (a non-streamed answer, or a whole stream); it is
     also accepted under its older name `request`. `first_token` bounds the wait for the
     first content-bearing event of a stream (connecting included), or for a non-streamed
-    answer's response head; `stall` the silence
-    between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
-    are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
-    the next bytes of an answer), `write` (sending a request the upstream is slow to take
-    in) and `pool` (waiting for a free connection when all are in use).
+    answer's response head; `stall` the silence between two chunks once a stream has
+    started. `connect`, `read`, `write` and `pool` are the HTTP transport's limits:
+    `connect` (TCP and TLS), `read` (the longest wait for the next bytes of an answer),
+    `write` (sending a request the upstream is slow to take in) and `pool` (waiting for a
+    free connection when all are in use).
 
     The defaults never hang and leave room for reasoning models: a model that thinks
     without streaming its reasoning may be silent for a minute or two before its first

@@ -10,6 +10,7 @@ from typing import Any
 from chatroute.chat.types import ChatOptions, ChatResponseUpdate
 from chatroute.config import ChatrouteConfig
 from chatroute.precedence import overridden_fields
+from chatroute.providers.pass_through import IGNORED_PARAMS
 
 __all__ = [
     "IGNORED_HEADER",
@@ -22,7 +23,6 @@ __all__ = [
 
 IGNORED_HEADER = "x-chatroute-ignored-params"
 OVERRIDDEN_HEADER = "x-chatroute-overridden"
-IGNORED_PARAMS = "ignored_params"  # the providers' key in a response's additional_properties
 
 
 def header_list(names: Iterable[str], limit: int = 512) -> str:
