@@ -38,21 +38,34 @@ class TooManyBadRows(Exception):
 def start_local_ray(cpus: float = LOCAL_CPUS, gpus: float = 0.0) -> None:
     """Start a Ray instance on this machine only: every Ray process listens on 127.0.0.1,
     `cpus` CPUs, no dashboard, no usage report."""
+    # Ray takes 127.0.0.1 as the node address (so that the GCS, the raylet, the object
+    # manager, the agents and the workers bind it) only with its cluster switch off; the
+    # switch is read when Ray is imported, so an already imported Ray is told directly.
+    switch = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    before = os.environ.get(switch)
+    os.environ[switch] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
+    from ray._private import ray_constants
 
-    # Ray resolves its node address to the loopback one only with this switch; with it the
-    # GCS, the raylet, the object manager and the workers bind 127.0.0.1.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(
-        num_cpus=max(math.ceil(cpus), 1),
-        num_gpus=math.ceil(gpus) or None,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=512 * 1024 * 1024,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    cluster = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            num_cpus=max(math.ceil(cpus), 1),
+            num_gpus=math.ceil(gpus) or None,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=512 * 1024 * 1024,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster
+        if before is None:
+            os.environ.pop(switch, None)
+        else:
+            os.environ[switch] = before
 
 
 def _check_reachable(address: str) -> None:
@@ -75,10 +88,11 @@ def _connect(options: ClassifyOptions) -> bool:
     """Connect to the cluster or start a local instance; whether to shut it down after."""
     import ray
 
+    if options.ray_address:
+        _check_reachable(options.ray_address)
     if ray.is_initialized():
         return False
     if options.ray_address:
-        _check_reachable(options.ray_address)
         try:
             ray.init(address=options.ray_address, log_to_driver=False, configure_logging=False)
         except Exception as exc:  # Ray's ConnectionError, RuntimeError, ...
