@@ -79,6 +79,7 @@ def test_the_local_instance_listens_on_loopback_only(local_ray: set[str]) -> Non
     assert ray.cluster_resources()["CPU"] == 2
 
 
+@pytest.mark.timeout(600)  # actors start and load the model: slow on a busy machine
 def test_ray_decisions_equal_the_local_engine_row_for_row(
     local_ray: set[str],
     config_file: Path,

@@ -245,6 +245,8 @@ def run_classify(config: ChatrouteConfig, options: ClassifyOptions, console: Con
         raise ClassifyFailure(f"no such input file: {options.source}")
     if options.source == "-" and options.engine == "ray":
         raise ClassifyFailure("--engine ray reads files (local or remote paths), not stdin")
+    if "://" in spec.target:
+        raise ClassifyFailure("the output must be a local or mounted path, not a URI")
     if spec.folder and spec.path.exists() and not spec.path.is_dir():
         raise ClassifyFailure(f"{spec.target} is a file, not a folder for part files")
     try:
@@ -271,7 +273,15 @@ def run_classify(config: ChatrouteConfig, options: ClassifyOptions, console: Con
         from chatroute.cli.classify_ray import run_ray
 
         started = time.perf_counter()
-        classified, extra = run_ray(config, options, source_format, spec, summary, console)
+        try:
+            classified, extra = run_ray(config, options, source_format, spec, summary, console)
+        except KeyboardInterrupt:
+            console.print(
+                f"interrupted; rerun the same command to classify into {spec.target} again "
+                "(a Ray run starts over)",
+                markup=False,
+            )
+            raise
         elapsed = time.perf_counter() - started
     else:
         classified, elapsed, extra = _run_local(

@@ -174,7 +174,7 @@ class _RouterActor:
         config = config.model_copy(update={"embedder": embedder})
         self._loop = asyncio.new_event_loop()
         self._engine = build_engine(config)
-        self._loop.run_until_complete(self._engine.prepare())
+        self._loop.run_until_complete(self._engine.warm())  # model, index (index_path)
         self._layout = layout
         self._scoring = scoring
         self._tally = tally
