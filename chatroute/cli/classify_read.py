@@ -314,17 +314,25 @@ class _CsvReader(_ColumnarReader):
                 break
             except pa.ArrowInvalid as exc:
                 raise InputError(f"{self.source}: unreadable CSV after row {start - 1}: {exc}")
-            self._take(record, start, skip_through, batch)
-            start += record.num_rows
             try:
-                batch.position = self._fh.tell()
+                position = self._fh.tell()
             except (OSError, ValueError):
-                batch.position = 0
-            if len(batch) >= size:
-                yield batch
-                batch = _new_batch(self.fields.keep)
+                position = 0
+            for piece in _pieces(record, size):
+                self._take(piece, start, skip_through, batch)
+                start += piece.num_rows
+                batch.position = position
+                if len(batch) >= size:
+                    yield batch
+                    batch = _new_batch(self.fields.keep)
         if batch.last:
             yield batch
+
+
+def _pieces(record: Any, size: int) -> Iterator[Any]:
+    """An Arrow record batch in slices of at most `size` rows (zero-copy)."""
+    for offset in range(0, record.num_rows, size):
+        yield record.slice(offset, size)
 
 
 def _text_type(kind: Any) -> bool:
@@ -380,7 +388,7 @@ class _ParquetReader(_ColumnarReader):
             return
         batch = _new_batch(self.fields.keep)
         for record in self._file.iter_batches(
-            batch_size=max(size, 1024), row_groups=groups, columns=self.columns
+            batch_size=size, row_groups=groups, columns=self.columns
         ):
             self._take(record, start, skip_through, batch)
             start += record.num_rows
