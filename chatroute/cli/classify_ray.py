@@ -291,8 +291,10 @@ def run_ray(
         owned = _connect(options)
     except InputError as exc:
         raise ClassifyFailure(str(exc)) from None
-    for name in ("ray", "ray.data"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray Data logs notices and, for a failed run, whole stack traces: the run's own
+    # messages (bad rows, the one-line failure) say what the user needs.
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    logging.getLogger("ray.data.exceptions").setLevel(logging.CRITICAL)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
@@ -353,6 +355,10 @@ def run_ray(
                 if not worker.is_alive():
                     break
         if failure:
+            if options.max_bad is not None and bad_seen > options.max_bad:
+                raise ClassifyFailure(
+                    f"more than {options.max_bad} bad rows ({bad_seen}); stopped", 1
+                )
             raise _failure(failure[0])
     finally:
         if owned:
