@@ -293,8 +293,7 @@ def run_ray(
         raise ClassifyFailure(str(exc)) from None
     # Ray Data logs notices and, for a failed run, whole stack traces: the run's own
     # messages (bad rows, the one-line failure) say what the user needs.
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
-    logging.getLogger("ray.data.exceptions").setLevel(logging.CRITICAL)
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
