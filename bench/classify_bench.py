@@ -61,9 +61,8 @@ def make_inputs(rows: int, folder: Path) -> tuple[Path, Path, list[str]]:
 
 def route_batch_rate(config_path: Path, texts: list[str]) -> float:
     """Queries per second of `Engine.decide_batch` (route_batch) in this process."""
-    from chatroute.engine import build_engine
-
     from chatroute.config import load_config
+    from chatroute.engine import build_engine
 
     async def work() -> float:
         engine = build_engine(load_config(config_path))
