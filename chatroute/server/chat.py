@@ -42,6 +42,7 @@ from chatroute.server.service import (
     named_route,
     ready_service,
 )
+from chatroute.server.sessions import StickyHeaders, open_session
 from chatroute.server.wire import (
     ChatCompletionRequest,
     StreamEncoder,
@@ -103,11 +104,14 @@ async def chat_completion(
     trace = start_trace(route_name)
     trace.stream = call.stream
     deadline = deadline_for(service, route_name, timeout, arrived)
-    extra = {}
+    extra: Mapping[str, str] = {}
     ignored = call.ignored
     if ignored:
         logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
-        extra[IGNORED_HEADER] = _header_list(ignored)
+        extra = {IGNORED_HEADER: _header_list(ignored)}
+    session = open_session(service.engine, scope, messages)
+    if session is not None:  # x-chatroute-sticky, once a provider has answered
+        extra = StickyHeaders(extra, session)
     if call.stream:
         return await _stream(
             service,
