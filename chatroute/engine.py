@@ -110,7 +110,7 @@ class Engine:
             "scoring": decision.scoring,
         }
         if isinstance(decision, ConversationDecision):
-            body.update(describe_turn(decision, self.route_name))
+            body.update(_describe_turn(decision, self.route_name))
         if matches:
             body["matches"] = [
                 {"route": self.route_name(m.client), "utterance": m.utterance, "score": m.score}
@@ -195,7 +195,7 @@ class Engine:
             raise first
 
 
-def describe_turn(
+def _describe_turn(
     decision: ConversationDecision, name: Callable[[ChatClient], str]
 ) -> dict[str, Any]:
     """A conversation decision's own fields as JSON-ready data: `outcome` (new, kept or
