@@ -91,7 +91,7 @@ def test_a_conversation_keeps_its_provider_and_moves_on_failover(
     default_embedder: Callable[[], EmbeddingGenerator], serve_app: Serve
 ) -> None:
     with FakeUpstream() as first, FakeUpstream() as second:
-        with _service(serve_app, default_embedder(), _config(first, second), {}) as (_, client):
+        with _service(serve_app, default_embedder(), _config(first, second), {}) as (url, client):
             first.script(ServerError(500))  # the conversation starts on the second provider
             assert _ask(client, "conv-1") == ("second", "new")
             # the first provider is healthy again, yet the conversation stays where it is
@@ -112,6 +112,14 @@ def test_a_conversation_keeps_its_provider_and_moves_on_failover(
             assert _ask(client, user="alice", messages=opening) == ("first", "new")
             # an odd session header is hashed, never refused
             assert _ask(client, "a b/" * 100) == ("first", "new")
+            metrics = httpx.get(f"{url}/metrics").text
+            for route, outcome, count in [
+                ("general", "kept", 4),
+                ("general", "failover", 1),
+                ("weather", "switched", 1),
+            ]:
+                line = f'chatroute_sticky_sessions_total{{outcome="{outcome}",route="{route}"}}'
+                assert f"{line} {count:.1f}" in metrics, line
 
 
 def test_sessions_off_sends_no_sticky_header(
