@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
 )
 
+from chatroute._config_conversation import ConversationConfig, SessionsConfig
 from chatroute._config_values import header_problem, known_keys, url_problem
 from chatroute.chat.types import ChatOptions
 
@@ -30,6 +31,7 @@ __all__ = [
     "BreakerConfig",
     "ChatrouteConfig",
     "ConfigError",
+    "ConversationConfig",
     "CorsConfig",
     "EmbedderConfig",
     "ProviderConfig",
@@ -41,6 +43,7 @@ __all__ = [
     "RouteTimeouts",
     "RoutingConfig",
     "ServerConfig",
+    "SessionsConfig",
     "load_config",
     "parse_config",
 ]
@@ -161,10 +164,14 @@ class RoutingConfig(_Strict):
     or "top_k" (the global top-K hits aggregated by `aggregation`). `oos_score` is the
     score a winner's threshold is compared with (None: the mode's default; `chatroute
     fit` reports the one that fits best). With a mode other than "top_k", `top_k` only
-    sets how many nearest utterances an answer lists.
+    sets how many nearest utterances an answer lists. `context` picks what a decision
+    reads: "conversation" (the last user turn in its conversation, tuned by
+    `conversation`) or "last_user" (the last user message alone).
     """
 
     policy: Name = "semantic"
+    context: Literal["conversation", "last_user"] = "conversation"
+    conversation: ConversationConfig = ConversationConfig()
     scoring: Literal["prototype", "knn", "top_k"] = "prototype"
     oos_score: Literal["centroid", "prototype", "nearest", "route", "aggregate"] | None = None
     top_k: int = Field(default=5, ge=1)
@@ -238,7 +245,8 @@ class SharedStateConfig(_Strict):
     `redis_url_env` names the environment variable holding the Redis URL (it may carry a
     password, so it is never written in the file); when the variable is unset or empty
     the replica keeps its state to itself. Shared: circuit breakers (a provider that
-    fails on one replica is avoided by all for the rest of the cool-down). `key_prefix`
+    fails on one replica is avoided by all for the rest of the cool-down) and sticky
+    sessions (`sessions`: a conversation keeps its provider on any replica). `key_prefix`
     starts every key and channel name, so several services can share one Redis.
     """
 
@@ -463,6 +471,7 @@ class ChatrouteConfig(_Strict):
     routing: RoutingConfig
     resilience: ResilienceConfig = ResilienceConfig()
     shared_state: SharedStateConfig = SharedStateConfig()
+    sessions: SessionsConfig = SessionsConfig()
     providers: dict[Name, ProviderConfig] = Field(min_length=1)
     routes: dict[Name, RouteConfig] = Field(min_length=1)
 

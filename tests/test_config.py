@@ -14,7 +14,13 @@ from chatroute.chat.types import ChatMessage
 from chatroute.config import ConfigError, load_config, parse_config
 from chatroute.engine import ROUTING_POLICIES, load_thresholds
 from chatroute.router import RouteDecision, Router
+from chatroute.router.conversation import ConversationPolicy
 from chatroute.server import RecordingFailoverChatClient, build_engine
+from chatroute.session import (
+    HistoryHygieneChatClient,
+    InMemorySessionStore,
+    StickyProviderChatClient,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chatroute.yaml"
 
@@ -238,10 +244,17 @@ def test_engine_builds_chains_wrappers_and_router() -> None:
     try:
         code, general = engine.routes["code"], engine.routes["general"]
         assert isinstance(code, ConfigureOptionsChatClient)  # the route has options
-        chain = code.inner
+        # sessions are on by default: each route keeps a conversation on its provider
+        assert isinstance(code.inner, StickyProviderChatClient)
+        assert isinstance(general, StickyProviderChatClient)
+        assert isinstance(engine.sessions, InMemorySessionStore)
+        chain = engine.chains["code"]
         assert isinstance(chain, RecordingFailoverChatClient)
         assert [chain.provider_name(c) for c in chain.clients] == ["fast", "strong"]
-        assert isinstance(general, RecordingFailoverChatClient)
+        # each provider forwards the history its family can take
+        families = [_unwrap(c, HistoryHygieneChatClient).family for c in chain.clients]
+        assert families == ["openai", "openai"]
+        assert engine.router.context.name == "conversation"
         assert engine.router.default_client is general
         assert engine.route_name(code) == "code"
         assert engine.provider_models == {"fast": "small-model", "strong": "big"}
@@ -249,6 +262,53 @@ def test_engine_builds_chains_wrappers_and_router() -> None:
         assert [engine.route_name(c) for c in engine.router.clients] == ["general", "code"]
     finally:
         asyncio.run(engine.aclose())
+
+
+def test_sessions_off_route_is_the_failover_chain_and_last_user_context() -> None:
+    data = base()
+    data["sessions"] = {"enabled": False}
+    data["routing"]["context"] = "last_user"
+    engine = build_engine(parse_config(data, environ={}), environ={}, embedder=_NoEmbedder())
+    try:
+        assert engine.sessions is None
+        assert engine.routes["general"] is engine.chains["general"]
+        assert engine.router.context.name == "last_user"
+    finally:
+        asyncio.run(engine.aclose())
+
+
+def test_conversation_parameters_reach_the_policy_and_bad_ones_name_the_key() -> None:
+    data = base()
+    data["routing"]["conversation"] = {"window": 3, "margin": 0.2}
+    engine = build_engine(parse_config(data, environ={}), environ={}, embedder=_NoEmbedder())
+    try:
+        policy = engine.router.context
+        assert isinstance(policy, ConversationPolicy)
+        assert (policy.window, policy.margin, policy.confident_margin) == (3, 0.2, 0.06)
+    finally:
+        asyncio.run(engine.aclose())
+    data["routing"]["conversation"] = {"window": 0, "margn": 0.1}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, environ={})
+    paths = [path for path, _ in info.value.problems]
+    assert "routing.conversation.window" in paths and "routing.conversation.margn" in paths
+    data = base()
+    data["sessions"] = {"ttl": 0}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, environ={})
+    assert [path for path, _ in info.value.problems] == ["sessions.ttl"]
+
+
+def _unwrap(client: Any, kind: type[Any]) -> Any:
+    """The first layer of `client` (following `.inner`) that is a `kind`."""
+    while not isinstance(client, kind):
+        client = client.inner
+    return client
+
+
+def _provider(client: Any, engine: Any = None) -> Any:
+    """The provider (or the route's view of it) under a chain member's session layers."""
+    return _unwrap(client, HistoryHygieneChatClient).inner
 
 
 class _FirstRoute:
@@ -382,11 +442,12 @@ def test_engine_chains_share_one_breaker_per_provider_and_apply_route_limits() -
         assert code.breakers["strong"] is general.breakers["strong"]
         assert code.breakers["strong"] is engine.breakers.get("strong")
         assert code.maximum_attempts_per_request == 2 and code.request_deadline == 30
-        fast_view, strong_view = code.clients
+        fast_view, strong_view = (_provider(c, engine) for c in code.clients)
         assert fast_view is not engine.providers["fast"]  # a view with the route's limit
-        assert fast_view.first_token_timeout == 2  # type: ignore[attr-defined]
-        assert strong_view.first_token_timeout == 2  # type: ignore[attr-defined]
-        assert general.clients[0] is engine.providers["strong"]  # the provider's own: 9 s
+        assert fast_view.first_token_timeout == 2
+        assert strong_view.first_token_timeout == 2
+        # the provider's own: 9 s
+        assert _provider(general.clients[0], engine) is engine.providers["strong"]
         assert engine.providers["strong"].first_token_timeout == 9  # type: ignore[attr-defined]
         assert engine.resilience["code"].deadline == 30
     finally:
@@ -402,10 +463,11 @@ def test_given_providers_get_the_configured_limits_as_a_wrapper() -> None:
     custom = _Unused()
     engine = build_engine(config, environ={}, embedder=_NoEmbedder(), providers={"strong": custom})
     try:
-        wrapped = engine.chains["general"].clients[0]
+        member = engine.chains["general"].clients[0]
+        wrapped = _provider(member, engine)
         assert isinstance(wrapped, TimeoutChatClient) and wrapped.inner is custom
         assert (wrapped.first_token_timeout, wrapped.stall_timeout) == (9, 4)
-        assert engine.chains["general"].provider_name(wrapped) == "strong"
+        assert engine.chains["general"].provider_name(member) == "strong"
     finally:
         asyncio.run(engine.aclose())
 

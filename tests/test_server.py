@@ -617,7 +617,14 @@ def test_route_endpoint_takes_input_or_messages(h: Harness) -> None:
         "score": None,
         "scores": {},
         "is_default": True,
+        "scoring": "prototype",
         "matches": [],
+        "outcome": "new",
+        "conversation_route": None,
+        "conversation_score": None,
+        "challenger_route": None,
+        "challenger_score": None,
+        "turns_read": 0,
     }
     assert h.fast.calls == [] and h.strong.calls == []
 

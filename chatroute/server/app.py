@@ -136,6 +136,11 @@ def create_app(
                 len(engine.routes),
                 len(engine.providers),
             )
+            logger.info(
+                "routing context %s; sticky sessions %s",
+                config.routing.context,
+                "off" if engine.sessions is None else type(engine.sessions).__name__,
+            )
             yield
         finally:
             service.ready = False

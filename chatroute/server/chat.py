@@ -46,6 +46,7 @@ from chatroute.server.service import (
     named_route,
     ready_service,
 )
+from chatroute.server.sessions import StickyHeaders, open_session
 from chatroute.server.wire import (
     ChatCompletionRequest,
     StreamEncoder,
@@ -109,7 +110,10 @@ async def chat_completion(
     trace = start_trace(route_name)
     trace.stream = call.stream
     deadline = deadline_for(service, route_name, timeout, arrived)
-    extra = overridden_headers(service.config, route_name, options)
+    extra: Mapping[str, str] = overridden_headers(service.config, route_name, options)
+    session = open_session(service.engine, scope, messages)
+    if session is not None:  # x-chatroute-sticky, once a provider has answered
+        extra = StickyHeaders(extra, session)
     if call.stream:
         return await _stream(
             service,

@@ -17,6 +17,7 @@ from chatroute.router.decision import RouteDecision
 from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.metrics import ServiceMetrics
 from chatroute.server.wire import WireMessage
+from chatroute.session.sticky import current_session
 from chatroute.tracing import RequestTrace, TraceSink, end_trace
 
 __all__ = [
@@ -73,6 +74,9 @@ class Service:
                 trace.attempt_count,
             )
         self.metrics.observe_trace(trace)
+        session = current_session()
+        if session is not None and session.outcome is not None and session.provider is not None:
+            self.metrics.labelled(self.metrics.sticky_sessions, route, session.outcome).inc()
         self.metrics.observe_cancellation(trace)
         self.metrics.observe_request(
             "chat_completions", route, status, time.perf_counter() - started
