@@ -45,6 +45,7 @@ from chatroute.errors import (
     status_error,
 )
 from chatroute.failover.timeouts import check_limit, stream_within, within
+from chatroute.providers import request_hooks
 from chatroute.providers.sse import SSEReader
 
 if TYPE_CHECKING:
@@ -486,11 +487,14 @@ class HTTPChatClient(ChatClient):
     async def _post(self, body: bytes) -> aiohttp.ClientResponse:
         """POST the body; the unread response of a 2xx answer, else the typed error."""
         session = self._session()
+        headers = self._headers
+        if request_hooks.header_hook is not None:  # trace context for the upstream
+            headers = request_hooks.added_headers(self, headers)
         try:
             response = await session.post(
                 self._url + self.path,
                 data=body,
-                headers=self._headers,
+                headers=headers,
                 params=self._query,
                 allow_redirects=False,
             )

@@ -180,6 +180,7 @@ async def _complete(
         return error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
+    trace.usage, trace.response_model = response.usage, response.model_id
     return RecordedResponse(
         body,
         _headers(service, trace, extra_headers),
