@@ -182,7 +182,8 @@ def test_without_an_admin_key_there_is_no_admin_api(
 ) -> None:
     with FakeUpstream() as up:
         path = tmp_path / "c.yaml"
-        data = config({"primary": up.base_url}, {"code": {"targets": ["primary"], "utterances": ["x"]}})
+        routes = {"code": {"targets": ["primary"], "utterances": ["x"]}}
+        data = config({"primary": up.base_url}, routes)
         path.write_text(yaml.safe_dump(data), encoding="utf-8")
         app = create_app(
             load_config(path, environ={}),
@@ -238,8 +239,7 @@ def test_sighup_reloads_the_serving_process(tmp_path: Path) -> None:
         env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1"}
         env.pop("CHATROUTE_ADMIN_KEY", None)
         process = subprocess.Popen(
-            [sys.executable, "-m", "chatroute", "serve", "--config", str(path)]
-            + ["--port", str(port)],
+            [sys.executable, "-m", "chatroute", "serve", "--config", str(path), "--port", str(port)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
