@@ -238,8 +238,9 @@ def test_sighup_reloads_the_serving_process(tmp_path: Path) -> None:
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1"}
         env.pop("CHATROUTE_ADMIN_KEY", None)
+        command = [sys.executable, "-m", "chatroute", "serve", "--config", str(path)]
         process = subprocess.Popen(
-            [sys.executable, "-m", "chatroute", "serve", "--config", str(path), "--port", str(port)],
+            [*command, "--port", str(port)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
