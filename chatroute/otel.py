@@ -77,11 +77,13 @@ def tracer_provider_from_environment(environ: Mapping[str, str]) -> TracerProvid
     for name in names:
         if name == "none":
             continue
+        if name == "otlp":
+            name = _otlp_exporter(environ, available)
         point = available.get(name)
         if point is None:
             logger.error(
                 "OTEL_TRACES_EXPORTER names %r, which is not installed (installed: %s); "
-                "for otlp install opentelemetry-exporter-otlp",
+                "for otlp install chatroute[otlp]",
                 name,
                 ", ".join(sorted(available)) or "none",
             )
@@ -96,6 +98,24 @@ def tracer_provider_from_environment(environ: Mapping[str, str]) -> TracerProvid
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def _otlp_exporter(environ: Mapping[str, str], available: Mapping[str, Any]) -> str:
+    """The entry point `otlp` stands for: the protocol's (`OTEL_EXPORTER_OTLP_PROTOCOL`:
+    `grpc` or `http/protobuf`), else whichever OTLP exporter is installed."""
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or ""
+    ).strip()
+    if protocol == "grpc":
+        return "otlp_proto_grpc"
+    if protocol.startswith("http"):
+        return "otlp_proto_http"
+    for name in ("otlp", "otlp_proto_http", "otlp_proto_grpc"):
+        if name in available:
+            return name
+    return "otlp"
 
 
 class OTelLayer:

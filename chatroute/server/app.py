@@ -162,6 +162,9 @@ def create_app(
             yield
         finally:
             service.ready = False
+            swapped_in: Service | None = app.state.service  # by a reload, if any
+            if swapped_in is not None:
+                swapped_in.ready = False
             metrics.ready.set(0)
             gc.set_threshold(*thresholds)
             if shared is not None:

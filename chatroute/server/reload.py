@@ -150,6 +150,7 @@ class Reloader:
                 f"the embedder changed ({old_config.embedder.model} -> {config.embedder.model}):"
                 " the model, the index and the scoring heads are all rebuilt"
             )
+            logger.info("reload: %s", notes[-1])
         if config.server != old_config.server:
             notes.append("server settings (listen address, limits, keys) apply after a restart")
         if config.shared_state != old_config.shared_state:
