@@ -4,6 +4,7 @@ config, new requests see the new routes, a bad config is refused and the old one
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -20,8 +21,10 @@ import httpx
 import openai
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from chatroute.chat.embedding import EmbeddingGenerator
+from chatroute.cli.app import app as cli
 from chatroute.config import load_config
 from chatroute.server import create_app
 from tests.fakes import FakeUpstream, Ok
@@ -173,6 +176,22 @@ def test_the_admin_endpoint_needs_the_admin_key(running: Running) -> None:
     assert running.reload(key=None).status_code == 401
     assert running.reload(key="k").status_code == 401  # an API key is not the admin key
     assert running.reload(key=ADMIN + "x").status_code == 401
+
+
+def test_chatroute_reload_asks_the_running_service(running: Running) -> None:
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["reload", "--url", running.url, "--admin-key", "wrong"])
+    assert refused.exit_code == 2
+    assert "refused the admin key" in refused.output
+    running.write(NEW_ROUTES)
+    done = runner.invoke(cli, ["reload", "--url", running.url, "--admin-key", ADMIN])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["routes"] == ["code", "new-only"]
+    running.path.write_text("routing: {default_route: nowhere}\n", encoding="utf-8")
+    bad = runner.invoke(cli, ["reload", "--url", running.url, "--admin-key", ADMIN])
+    assert bad.exit_code == 2
+    assert "did not reload (422)" in bad.output
+    assert running.models()[:3] == ["auto", "code", "new-only"]
 
 
 def test_without_an_admin_key_there_is_no_admin_api(
