@@ -255,7 +255,8 @@ def test_sighup_reloads_the_serving_process(tmp_path: Path) -> None:
         path = tmp_path / "chatroute.yaml"
         path.write_text(yaml.safe_dump(config(urls, OLD_ROUTES)), encoding="utf-8")
         port = _free_port()
-        env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1"}
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
         env.pop("CHATROUTE_ADMIN_KEY", None)
         command = [sys.executable, "-m", "chatroute", "serve", "--config", str(path)]
         process = subprocess.Popen(
