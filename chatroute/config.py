@@ -124,11 +124,14 @@ class ServerConfig(_Strict):
     `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
     and each request costs one middleware less. `cors` answers browsers' cross-origin
     requests (`CorsConfig`); unset (the default), no cross-origin access is granted.
+    `admin_key_env` names the variable that holds the admin key of `POST /admin/reload`
+    (unset or empty: no admin API).
     """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys_env: EnvName = "CHATROUTE_API_KEYS"
+    admin_key_env: EnvName = "CHATROUTE_ADMIN_KEY"
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     max_messages: int = Field(default=1024, ge=1)
     max_message_chars: int = Field(default=1_000_000, ge=1)

@@ -324,12 +324,15 @@ def build_engine(
     embedder: EmbeddingGenerator | None = None,
     providers: Mapping[str, ChatClient] | None = None,
     environ: Mapping[str, str] | None = None,
+    breakers: CircuitBreakerRegistry | None = None,
 ) -> Engine:
     """Build the providers, the route chains and the semantic router a config describes.
 
     Nothing goes over the network and the model is not loaded here; `Engine.warm()` does
     that. `embedder` replaces the configured generator and `providers` replaces configured
     providers by name (for custom clients); the engine owns and closes what it is given.
+    `breakers` is kept (with the state of each provider's breaker) when its settings are
+    the config's, as a reload does.
     """
     env = os.environ if environ is None else environ
     problems = config.check(env)
@@ -358,13 +361,15 @@ def build_engine(
         if key:
             secrets.append(key)
     breaker = config.resilience.breaker
-    registry = CircuitBreakerRegistry(
-        BreakerSettings(
-            failure_rate_threshold=breaker.failure_rate_threshold,
-            minimum_requests=breaker.minimum_requests,
-            window=breaker.window,
-            cool_down=breaker.cool_down,
-        )
+    breaker_settings = BreakerSettings(
+        failure_rate_threshold=breaker.failure_rate_threshold,
+        minimum_requests=breaker.minimum_requests,
+        window=breaker.window,
+        cool_down=breaker.cool_down,
+    )
+    keep = breakers is not None and breakers.settings == breaker_settings
+    registry = (
+        breakers if breakers is not None and keep else CircuitBreakerRegistry(breaker_settings)
     )
     routes: dict[str, ChatClient] = {}
     chains: dict[str, RecordingFailoverChatClient] = {}

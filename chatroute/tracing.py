@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatroute.chat.client import ChatClient
+from chatroute.chat.types import UsageDetails
 from chatroute.errors import classify_failure, is_cancelling
 from chatroute.failover import FailoverChatClient, FailoverChatClientAttempt
 from chatroute.failover.health import HealthAwareFailoverChatClient, Selection
@@ -74,7 +75,8 @@ class RequestTrace:
     its provider is known although its attempt record arrives only when the stream ends.
     The server fills in `status` (the HTTP status answered, 499 when the caller left
     first), `cancelled` ("disconnect" or "deadline" when the request was cut short by its
-    caller's side) and `committed` (whether output reached the caller).
+    caller's side), `committed` (whether output reached the caller), and the answer's
+    `usage` and `response_model` when the provider reported them.
     """
 
     route: str | None = None
@@ -84,6 +86,8 @@ class RequestTrace:
     cancelled: str | None = None
     committed: bool = False
     stream: bool = False
+    usage: UsageDetails | None = None
+    response_model: str | None = None
 
     @property
     def attempt_count(self) -> int:

@@ -1,4 +1,4 @@
-"""The `chatroute` command line: serve, check, route, classify, fit and index build."""
+"""The `chatroute` command line: serve, reload, check, route, classify, fit and index build."""
 
 from __future__ import annotations
 
@@ -115,7 +115,11 @@ def serve(
     chatroute_logger.propagate = False
     proxies = settings.server.forwarded_allow_ips
     uvicorn.run(
-        create_app(settings, embedder=checks.load_embedder(settings, source=str(config))),
+        create_app(
+            settings,
+            embedder=checks.load_embedder(settings, source=str(config)),
+            config_path=config,  # live reload: SIGHUP, POST /admin/reload
+        ),
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
         log_level=settings.server.log_level,
@@ -133,6 +137,31 @@ def serve(
         proxy_headers=bool(proxies),
         forwarded_allow_ips=proxies,
     )
+
+
+@app.command()
+def reload(
+    url: Annotated[
+        str,
+        typer.Option(help="The running service (http://host:port).", envvar="CHATROUTE_URL"),
+    ],
+    admin_key: Annotated[
+        str,
+        typer.Option(help="The service's admin key.", envvar="CHATROUTE_ADMIN_KEY"),
+    ],
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for the reload to finish.")
+    ] = 300.0,
+) -> None:
+    """Reload a running service's config file (POST /admin/reload); print its report as JSON."""
+    from chatroute.cli.admin import reload_remote
+    from chatroute.cli.remote import RemoteError
+
+    try:
+        report = reload_remote(url, admin_key, timeout=timeout)
+    except RemoteError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(json.dumps(report, indent=2))
 
 
 @app.command()

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import functools
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
@@ -15,10 +13,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 import aiohttp
 import orjson
 import pydantic
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.client_reqrep import ConnectionKey
-from aiohttp.helpers import get_env_proxy_for_url
-from yarl import URL
 
 from chatroute import __version__
 from chatroute.chat.client import ChatClient
@@ -45,8 +39,10 @@ from chatroute.errors import (
     status_error,
 )
 from chatroute.failover.timeouts import check_limit, head_within, stream_within, within
+from chatroute.providers import request_hooks
 from chatroute.providers.pass_through import PassThrough, report_ignored
 from chatroute.providers.sse import SSEReader
+from chatroute.providers.transport import Transport, tls_setting
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -55,10 +51,8 @@ __all__ = ["HTTPChatClient", "HTTPSettings", "StreamTranslator", "check_header_v
 
 _log = logging.getLogger(__name__)
 
-# The most an upstream's response head line and each header field may hold, and the most
-# of an error answer's body read to describe it (the rest is dropped with the connection).
-MAX_HEAD_LINE = 16 * 1024
-MAX_FIELD_SIZE = 16 * 1024
+# The most of an error answer's body read to describe it (the rest is dropped with the
+# connection).
 MAX_ERROR_BODY = 64 * 1024
 
 
@@ -101,91 +95,6 @@ def check_header_value(name: str, value: str) -> None:
     for text in (name, value):
         if "\r" in text or "\n" in text or "\0" in text:
             raise ValueError(f"header {name!r}: names and values may not contain CR, LF or NUL")
-
-
-@functools.cache
-def _default_tls() -> ssl.SSLContext:
-    """One verifying TLS context for all providers (loading CAs is slow); the system's CA
-    bundle, or SSL_CERT_FILE / SSL_CERT_DIR when set."""
-    return ssl.create_default_context()
-
-
-def _tls(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext | bool:
-    """What the connector takes for a `verify` setting (False: no verification)."""
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    if verify is True:
-        return _default_tls()
-    if verify is False:
-        return False
-    if os.path.isdir(verify):
-        return ssl.create_default_context(capath=verify)
-    return ssl.create_default_context(cafile=verify)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, keeping at most `max_idle` idle connections per endpoint (the
-    oldest beyond it are closed when a connection comes back)."""
-
-    def __init__(self, *, max_idle: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._max_idle = max_idle
-
-    def _release(
-        self, key: ConnectionKey, protocol: ResponseHandler, *, should_close: bool = False
-    ) -> None:
-        super()._release(key, protocol, should_close=should_close)
-        idle = self._conns.get(key)
-        while idle is not None and len(idle) > self._max_idle:
-            oldest, _ = idle.popleft()
-            oldest.close()
-
-
-class _Transport:
-    """One provider's `aiohttp.ClientSession`, made on first use (a session belongs to the
-    event loop it is made in) and shared with the provider's `with_timeouts` views."""
-
-    def __init__(self, **settings: Any) -> None:
-        self.settings = settings
-        self.session: aiohttp.ClientSession | None = None
-        self.closed = False
-
-    def get(self) -> aiohttp.ClientSession:
-        session = self.session
-        if session is None:
-            s = self.settings
-            idle = s["max_keepalive_connections"]
-            connector = _Connector(
-                max_idle=idle,
-                limit=s["max_connections"],
-                force_close=idle == 0,
-                keepalive_timeout=s["keepalive_expiry"] if idle else None,
-                ssl=s["tls"],
-            )
-            # The environment's proxy for the endpoint (HTTP(S)_PROXY less NO_PROXY), read
-            # once here: aiohttp's trust_env would read it (and ~/.netrc) in a worker thread
-            # on every request.
-            try:
-                proxy, proxy_auth = get_env_proxy_for_url(URL(s["url"]))
-            except LookupError:
-                proxy, proxy_auth = None, None
-            session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=s["timeout"],
-                proxy=proxy,
-                proxy_auth=proxy_auth,
-                cookie_jar=aiohttp.DummyCookieJar(),  # never share an upstream's cookies
-                max_line_size=MAX_HEAD_LINE,
-                max_field_size=MAX_FIELD_SIZE,
-            )
-            self.session = session
-        return session
-
-    async def aclose(self) -> None:
-        self.closed = True
-        if self.session is not None:
-            session, self.session = self.session, None
-            await session.close()
 
 
 class StreamTranslator(Protocol):
@@ -352,12 +261,12 @@ class HTTPChatClient(ChatClient):
         connect = _positive("connect_timeout", connect_timeout)
         pool = _positive("pool_timeout", pool_timeout)
         _positive("write_timeout", write_timeout)
-        self._transport = _Transport(
+        self._transport = Transport(
             url=self._url,
             max_connections=max_connections,
             max_keepalive_connections=max_keepalive_connections,
             keepalive_expiry=keepalive_expiry,
-            tls=_tls(verify),
+            tls=tls_setting(verify),
             timeout=aiohttp.ClientTimeout(
                 total=None,
                 connect=(connect + pool) if connect is not None and pool is not None else None,
@@ -495,11 +404,14 @@ class HTTPChatClient(ChatClient):
     async def _post(self, body: bytes) -> aiohttp.ClientResponse:
         """POST the body; the unread response of a 2xx answer, else the typed error."""
         session = self._session()
+        headers = self._headers
+        if request_hooks.header_hook is not None:  # trace context for the upstream
+            headers = request_hooks.added_headers(self, headers)
         try:
             response = await session.post(
                 self._url + self.path,
                 data=body,
-                headers=self._headers,
+                headers=headers,
                 params=self._query,
                 allow_redirects=False,
             )

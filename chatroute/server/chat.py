@@ -179,6 +179,7 @@ async def _complete(
         return error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
+    trace.usage, trace.response_model = response.usage, response.model_id
     headers = _headers(service, trace, extra_headers)
     headers.update(ignored_headers(response.additional_properties))
     return RecordedResponse(

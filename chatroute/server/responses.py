@@ -184,4 +184,5 @@ async def sse_body(
             await close_iterator(iterator)
         if trace.cancelled == "disconnect":
             status = CLIENT_CLOSED
+        trace.usage = encoder.usage
         service.finish(trace, status, started)

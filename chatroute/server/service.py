@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -55,6 +55,9 @@ class Service:
     ready: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     trace_sink: TraceSink | None = None
+    on_decision: Callable[[RouteDecision, str, int], None] | None = None
+    """Called with each routing decision, its route and when routing began (ns since the
+    epoch); set when tracing is on."""
 
     @property
     def config(self) -> ChatrouteConfig:
@@ -157,11 +160,15 @@ def routing_failure(service: Service, exc: Exception) -> APIError:
 
 
 async def decide(service: Service, messages: Sequence[ChatMessage]) -> RouteDecision:
+    hook = service.on_decision
+    began = time.time_ns() if hook is not None else 0
     try:
         decision = await service.engine.decide(messages)
     except Exception as exc:
         raise routing_failure(service, exc)
     name = service.engine.route_name(decision.client)
+    if hook is not None:
+        hook(decision, name, began)
     metrics = service.metrics
     default = "true" if decision.is_default else "false"
     metrics.labelled(metrics.route_decisions, name, default).inc()
