@@ -16,7 +16,7 @@ $(BIN)/python:
 # torch is pinned to the CPU build first so that no multi-GB CUDA wheel is pulled in.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,anthropic,redis]"
+	$(BIN)/pip install --quiet -e ".[dev,anthropic,redis,ray,otel]"
 	touch $(STAMP)
 
 install: $(STAMP)

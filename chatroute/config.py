@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
 )
 
+from chatroute._config_conversation import ConversationConfig, SessionsConfig
 from chatroute._config_values import header_problem, known_keys, url_problem
 from chatroute.chat.types import ChatOptions
 
@@ -30,6 +31,8 @@ __all__ = [
     "BreakerConfig",
     "ChatrouteConfig",
     "ConfigError",
+    "ConversationConfig",
+    "CorsConfig",
     "EmbedderConfig",
     "ProviderConfig",
     "ProviderTimeouts",
@@ -40,6 +43,7 @@ __all__ = [
     "RouteTimeouts",
     "RoutingConfig",
     "ServerConfig",
+    "SessionsConfig",
     "load_config",
     "parse_config",
 ]
@@ -83,6 +87,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CorsConfig(_Strict):
+    """Cross-origin access for browser callers (Starlette's CORSMiddleware); the keys are
+    its arguments. `allow_origins` lists the origins (`"*"`: any) whose pages may call
+    the API; `expose_headers` the answer headers their scripts may read."""
+
+    allow_origins: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    allow_origin_regex: str | None = None
+    allow_methods: list[str] = ["GET", "POST"]
+    allow_headers: list[str] = ["*"]
+    allow_credentials: bool = False
+    expose_headers: list[str] = [
+        "x-chatroute-route",
+        "x-chatroute-provider",
+        "x-chatroute-attempts",
+        "x-chatroute-ignored-params",
+        "x-chatroute-overridden",
+        "retry-after",
+    ]
+    max_age: int = Field(default=600, ge=0)
+
+
 class ServerConfig(_Strict):
     """Where the service listens and the limits it enforces on requests.
 
@@ -97,7 +122,10 @@ class ServerConfig(_Strict):
     chat path); None leaves Python's setting.
     `forwarded_allow_ips` lists the proxies (addresses or networks, `"*"` for any) whose
     `X-Forwarded-For` / `X-Forwarded-Proto` headers are believed; unset, they are ignored
-    and each request costs one middleware less.
+    and each request costs one middleware less. `cors` answers browsers' cross-origin
+    requests (`CorsConfig`); unset (the default), no cross-origin access is granted.
+    `admin_key_env` names the variable that holds the admin key of `POST /admin/reload`
+    (unset or empty: no admin API).
     `log_format` is how `chatroute serve` writes its log: `text` lines, or `json`, one
     JSON object per line (the request log line's fields as keys).
     """
@@ -105,6 +133,7 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys_env: EnvName = "CHATROUTE_API_KEYS"
+    admin_key_env: EnvName = "CHATROUTE_ADMIN_KEY"
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     max_messages: int = Field(default=1024, ge=1)
     max_message_chars: int = Field(default=1_000_000, ge=1)
@@ -117,6 +146,7 @@ class ServerConfig(_Strict):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = "text"
     forwarded_allow_ips: list[Annotated[str, Field(min_length=1)]] | None = None
+    cors: CorsConfig | None = None
 
 
 class EmbedderConfig(_Strict):
@@ -140,10 +170,14 @@ class RoutingConfig(_Strict):
     or "top_k" (the global top-K hits aggregated by `aggregation`). `oos_score` is the
     score a winner's threshold is compared with (None: the mode's default; `chatroute
     fit` reports the one that fits best). With a mode other than "top_k", `top_k` only
-    sets how many nearest utterances an answer lists.
+    sets how many nearest utterances an answer lists. `context` picks what a decision
+    reads: "conversation" (the last user turn in its conversation, tuned by
+    `conversation`) or "last_user" (the last user message alone).
     """
 
     policy: Name = "semantic"
+    context: Literal["conversation", "last_user"] = "conversation"
+    conversation: ConversationConfig = ConversationConfig()
     scoring: Literal["prototype", "knn", "top_k"] = "prototype"
     oos_score: Literal["centroid", "prototype", "nearest", "route", "aggregate"] | None = None
     top_k: int = Field(default=5, ge=1)
@@ -159,11 +193,12 @@ class ProviderTimeouts(_Strict):
 
     `attempt` bounds a whole attempt (a non-streamed answer, or a whole stream); it is
     also accepted under its older name `request`. `first_token` bounds the wait for the
-    first content-bearing event of a stream (connecting included); `stall` the silence
-    between two chunks once a stream has started. `connect`, `read`, `write` and `pool`
-    are the HTTP transport's limits: `connect` (TCP and TLS), `read` (the longest wait for
-    the next bytes of an answer), `write` (sending a request the upstream is slow to take
-    in) and `pool` (waiting for a free connection when all are in use).
+    first content-bearing event of a stream (connecting included), or for a non-streamed
+    answer's response head; `stall` the silence between two chunks once a stream has
+    started. `connect`, `read`, `write` and `pool` are the HTTP transport's limits:
+    `connect` (TCP and TLS), `read` (the longest wait for the next bytes of an answer),
+    `write` (sending a request the upstream is slow to take in) and `pool` (waiting for a
+    free connection when all are in use).
 
     The defaults never hang and leave room for reasoning models: a model that thinks
     without streaming its reasoning may be silent for a minute or two before its first
@@ -216,7 +251,8 @@ class SharedStateConfig(_Strict):
     `redis_url_env` names the environment variable holding the Redis URL (it may carry a
     password, so it is never written in the file); when the variable is unset or empty
     the replica keeps its state to itself. Shared: circuit breakers (a provider that
-    fails on one replica is avoided by all for the rest of the cool-down). `key_prefix`
+    fails on one replica is avoided by all for the rest of the cool-down) and sticky
+    sessions (`sessions`: a conversation keeps its provider on any replica). `key_prefix`
     starts every key and channel name, so several services can share one Redis.
     """
 
@@ -307,8 +343,10 @@ class ProviderConfig(_Strict):
     `anthropic` provider when a request sets none (its API requires one). `query` holds
     parameters every call carries in its URL (Azure OpenAI's `api-version`), and
     `api_key_header: api-key` sends the key as Azure's `api-key` header rather than
-    `Authorization: Bearer` (openai providers). Header names and values may not hold CR,
-    LF or NUL.
+    `Authorization: Bearer` (openai providers). `pass_through`: which request fields
+    chatroute does not know are forwarded ("all", "none" or a list of names; unset: "all"
+    for openai, "none" for anthropic); `extra_body` wins over the caller's fields. Header
+    names and values may not hold CR, LF or NUL.
     """
 
     type: str = "openai"
@@ -326,6 +364,7 @@ class ProviderConfig(_Strict):
     query: dict[str, str] = Field(default_factory=dict)
     api_key_header: Literal["authorization", "api-key"] = "authorization"
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    pass_through: Literal["all", "none"] | list[Annotated[str, Field(min_length=1)]] | None = None
 
     @field_validator("query")
     @classmethod
@@ -378,7 +417,8 @@ class ProviderConfig(_Strict):
 
 
 class RouteOptions(_Strict):
-    """Chat options a route sets on every request it serves (they override the caller's)."""
+    """Chat options of a route: as `options`, defaults the caller's request overrides; as
+    `override`, values forced whatever the caller sent (see `chatroute.precedence`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -395,28 +435,10 @@ class RouteOptions(_Strict):
     extra_body: dict[str, Any] | None = None
 
     def apply(self, options: ChatOptions) -> None:
-        """Set every configured field on `options` (a clone owned by the route)."""
-        for name in (
-            "temperature",
-            "top_p",
-            "max_output_tokens",
-            "seed",
-            "frequency_penalty",
-            "presence_penalty",
-            "instructions",
-            "response_format",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(options, name, value)
-        if self.stop_sequences is not None:
-            options.stop_sequences = list(self.stop_sequences)
-        if self.reasoning_effort is not None:
-            options.reasoning = {"effort": self.reasoning_effort}
-        if self.extra_body:
-            extra = dict(options.additional_properties or {})
-            extra.update(self.extra_body)
-            options.additional_properties = extra
+        """Fill in on `options` (a clone owned by the route) what the caller left unset."""
+        from chatroute.precedence import fill_defaults
+
+        fill_defaults(self, options)
 
     def is_empty(self) -> bool:
         """True when the route sets nothing."""
@@ -429,12 +451,15 @@ class RouteConfig(_Strict):
     `max_attempts`, `deadline`, `retry_same_provider`, `max_tries_per_provider`,
     `retry_backoff` and `retry_after_max` override the `resilience` defaults for this
     route; `timeouts` overrides its providers' attempt, first-token and stall limits.
+    `options` are defaults for the request options the caller leaves unset; `override`
+    forces its values whatever the caller sent.
     """
 
     description: str | None = None
     utterances: list[Utterance] = Field(default_factory=list)
     targets: list[Name] = Field(min_length=1)
     options: RouteOptions = RouteOptions()
+    override: RouteOptions = RouteOptions()
     max_attempts: int | None = Field(default=None, ge=1)
     deadline: PositiveSeconds | None = None
     retry_same_provider: bool | None = None
@@ -452,6 +477,7 @@ class ChatrouteConfig(_Strict):
     routing: RoutingConfig
     resilience: ResilienceConfig = ResilienceConfig()
     shared_state: SharedStateConfig = SharedStateConfig()
+    sessions: SessionsConfig = SessionsConfig()
     providers: dict[Name, ProviderConfig] = Field(min_length=1)
     routes: dict[Name, RouteConfig] = Field(min_length=1)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,13 +14,22 @@ from chatroute.chat.client import ChatClient, ConfigureOptionsChatClient
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.chat.types import ChatMessage
 from chatroute.config import ChatrouteConfig, ConfigError, ProviderConfig, RouteResilience
-from chatroute.failover.breaker import BreakerSettings, CircuitBreakerRegistry
+from chatroute.failover.breaker import BreakerSettings, CircuitBreaker, CircuitBreakerRegistry
 from chatroute.failover.timeouts import TimeoutChatClient
 from chatroute.index import ProfileIndex
+from chatroute.precedence import route_configure
+from chatroute.router.conversation import ConversationDecision
 from chatroute.router.decision import RouteDecision, ScoreAggregation
 from chatroute.router.policy import Router
 from chatroute.router.scoring import make_scoring
 from chatroute.router.semantic import SemanticRoutingChatClient
+from chatroute.session.routes import (
+    build_session_store,
+    context_for,
+    provider_family,
+    route_client,
+)
+from chatroute.session.store import SessionStore
 from chatroute.tracing import RecordingFailoverChatClient
 
 __all__ = [
@@ -42,9 +52,10 @@ class Engine:
     providers, wrapped to apply the route's options); `chains` maps it to the chain
     itself and `resilience` to the failover settings in force for it; `breakers` holds
     one circuit breaker per provider, shared by every route. `router` is the routing
-    policy over the routes that `routing.policy` names (`ROUTING_POLICIES`). The engine
-    owns the providers and the embedding generator and closes them in `aclose()`; the
-    route chains and the routing policy own nothing.
+    policy over the routes that `routing.policy` names (`ROUTING_POLICIES`). `sessions`
+    is the sticky-session store (None when `sessions.enabled` is off). The engine owns the
+    providers, the embedding generator and the session store and closes them in
+    `aclose()`; the route chains and the routing policy own nothing.
     """
 
     def __init__(
@@ -59,6 +70,7 @@ class Engine:
         route_thresholds: Mapping[str, float] | None = None,
         breakers: CircuitBreakerRegistry | None = None,
         chains: Mapping[str, RecordingFailoverChatClient] | None = None,
+        sessions: SessionStore | None = None,
     ) -> None:
         self.config = config
         self.embedder = embedder
@@ -69,6 +81,7 @@ class Engine:
         self.route_thresholds: Mapping[str, float] = dict(route_thresholds or {})
         self.breakers = breakers if breakers is not None else CircuitBreakerRegistry()
         self.chains: Mapping[str, RecordingFailoverChatClient] = dict(chains or {})
+        self.sessions = sessions
         self.resilience: Mapping[str, RouteResilience] = {
             name: config.resilience.for_route(route) for name, route in config.routes.items()
         }
@@ -95,7 +108,10 @@ class Engine:
             "score": decision.score,
             "scores": {self.route_name(c): s for c, s in decision.scores.items()},
             "is_default": decision.is_default,
+            "scoring": decision.scoring,
         }
+        if isinstance(decision, ConversationDecision):
+            body.update(_describe_turn(decision, self.route_name))
         if matches:
             body["matches"] = [
                 {"route": self.route_name(m.client), "utterance": m.utterance, "score": m.score}
@@ -108,8 +124,44 @@ class Engine:
         return await self.router.route(messages)
 
     async def decide_batch(self, queries: Sequence[str]) -> list[RouteDecision]:
-        """Decisions for many query texts, as one embedding batch and one search."""
-        return await self.router.route_batch(queries)
+        """Decisions for many query texts, as one embedding batch and one search.
+
+        A query that carries the conversation it ends (a `messages` attribute, as bulk
+        classification's messages rows do) is decided in that conversation by a semantic
+        router's context policy, the others as plain texts.
+        """
+        router = self.router
+        talks = [
+            position
+            for position, query in enumerate(queries)
+            if getattr(query, "messages", None) is not None
+        ]
+        if not talks or not isinstance(router, SemanticRoutingChatClient):
+            return await router.route_batch(queries)
+        in_talk = set(talks)
+        plain = [position for position in range(len(queries)) if position not in in_talk]
+        decisions: list[RouteDecision | None] = [None] * len(queries)
+        found = await router.route_conversations(
+            [getattr(queries[position], "messages") for position in talks]  # noqa: B009
+        )
+        for position, decision in zip(talks, found, strict=True):
+            decisions[position] = decision
+        if plain:
+            found = await router.route_batch([queries[position] for position in plain])
+            for position, decision in zip(plain, found, strict=True):
+                decisions[position] = decision
+        return [decision for decision in decisions if decision is not None]
+
+    async def decide_conversations(
+        self, conversations: Sequence[Sequence[ChatMessage]]
+    ) -> list[RouteDecision]:
+        """Each conversation's last user turn decided in its context (`routing.context`),
+        as one batch when the policy supports it."""
+        batch = getattr(self.router, "route_conversations", None)
+        if callable(batch):
+            decisions: list[RouteDecision] = await batch(conversations)
+            return decisions
+        return [await self.router.route(messages) for messages in conversations]
 
     def profile_entries(self) -> list[tuple[str, str]]:
         """The (route name, utterance) pairs of every route, in the router's profile order."""
@@ -153,7 +205,12 @@ class Engine:
             return
         self._closed = True
         first: BaseException | None = None
-        closables: list[ChatClient | EmbeddingGenerator] = [*self.providers.values(), self.embedder]
+        closables: list[ChatClient | EmbeddingGenerator | SessionStore] = [
+            *self.providers.values(),
+            self.embedder,
+        ]
+        if self.sessions is not None:
+            closables.append(self.sessions)
         for item in closables:
             try:
                 await item.aclose()
@@ -162,6 +219,26 @@ class Engine:
                 first = first or exc
         if first is not None:
             raise first
+
+
+def _describe_turn(
+    decision: ConversationDecision, name: Callable[[ChatClient], str]
+) -> dict[str, Any]:
+    """A conversation decision's own fields as JSON-ready data: `outcome` (new, kept or
+    switched), the route the conversation was on and the best other route, each with its
+    score on this turn (None when there is none), and how many user turns were read."""
+    return {
+        "outcome": decision.outcome,
+        "conversation_route": (
+            None if decision.conversation_client is None else name(decision.conversation_client)
+        ),
+        "conversation_score": decision.conversation_score,
+        "challenger_route": (
+            None if decision.challenger_client is None else name(decision.challenger_client)
+        ),
+        "challenger_score": decision.challenger_score,
+        "turns_read": decision.turns_read,
+    }
 
 
 class RouterFactory(Protocol):
@@ -191,6 +268,7 @@ def semantic_router(engine: Engine, profile_index: ProfileIndex | None) -> Route
         route_thresholds=thresholds or None,
         profile_index=profile_index,
         scoring=make_scoring(routing.scoring, oos_score=routing.oos_score),
+        context=context_for(routing),
     )
 
 
@@ -246,12 +324,15 @@ def build_engine(
     embedder: EmbeddingGenerator | None = None,
     providers: Mapping[str, ChatClient] | None = None,
     environ: Mapping[str, str] | None = None,
+    breakers: CircuitBreakerRegistry | None = None,
 ) -> Engine:
     """Build the providers, the route chains and the semantic router a config describes.
 
     Nothing goes over the network and the model is not loaded here; `Engine.warm()` does
     that. `embedder` replaces the configured generator and `providers` replaces configured
     providers by name (for custom clients); the engine owns and closes what it is given.
+    `breakers` is kept (with the state of each provider's breaker) when its settings are
+    the config's, as a reload does.
     """
     env = os.environ if environ is None else environ
     problems = config.check(env)
@@ -280,20 +361,24 @@ def build_engine(
         if key:
             secrets.append(key)
     breaker = config.resilience.breaker
-    registry = CircuitBreakerRegistry(
-        BreakerSettings(
-            failure_rate_threshold=breaker.failure_rate_threshold,
-            minimum_requests=breaker.minimum_requests,
-            window=breaker.window,
-            cool_down=breaker.cool_down,
-        )
+    breaker_settings = BreakerSettings(
+        failure_rate_threshold=breaker.failure_rate_threshold,
+        minimum_requests=breaker.minimum_requests,
+        window=breaker.window,
+        cool_down=breaker.cool_down,
+    )
+    keep = breakers is not None and breakers.settings == breaker_settings
+    registry = (
+        breakers if breakers is not None and keep else CircuitBreakerRegistry(breaker_settings)
     )
     routes: dict[str, ChatClient] = {}
     chains: dict[str, RecordingFailoverChatClient] = {}
+    store = build_session_store(config, env)
+    families = {name: provider_family(config.providers[name].type) for name in clients}
     for route_name, route in config.routes.items():
         policy = config.resilience.for_route(route)
         members = [
-            _route_client(clients[t], config.providers[t], policy, built=t not in given)
+            (t, _route_client(clients[t], config.providers[t], policy, built=t not in given))
             for t in route.targets
         ]
         windows: dict[str, int] = {}
@@ -301,25 +386,14 @@ def build_engine(
             window = config.providers[target].context_window
             if window is not None:
                 windows[target] = window
-        chain = RecordingFailoverChatClient(
-            route_name,
-            members,
-            list(route.targets),
-            leave_open=True,
-            breaker_factory=registry.get,
-            retry_same_client=policy.retry_same_provider,
-            max_tries_per_client=policy.max_tries_per_provider,
-            retry_backoff=policy.retry_backoff,
-            retry_after_max=policy.retry_after_max,
-            request_deadline=policy.deadline,
-            context_windows=windows,
-            maximum_attempts_per_request=policy.max_attempts,
+        make_chain = functools.partial(_failover_chain, route_name, policy, windows, registry.get)
+        client, chain = route_client(
+            route_name, members, families, make_chain, store=store, breakers=registry
         )
         chains[route_name] = chain
+        configure = route_configure(route)  # its options as defaults, then its override
         routes[route_name] = (
-            chain
-            if route.options.is_empty()
-            else ConfigureOptionsChatClient(chain, route.options.apply)
+            client if configure is None else ConfigureOptionsChatClient(client, configure)
         )
     generator = embedder if embedder is not None else build_embedder(config)
     thresholds = (
@@ -338,9 +412,34 @@ def build_engine(
             route_thresholds=thresholds,
             breakers=registry,
             chains=chains,
+            sessions=store,
         )
     except ValueError as exc:  # thresholds out of range for the aggregation
         raise ConfigError([("routing.thresholds_file", str(exc))]) from None
+
+
+def _failover_chain(
+    route: str,
+    policy: RouteResilience,
+    windows: Mapping[str, int],
+    breakers: Callable[[str], CircuitBreaker],
+    members: Sequence[tuple[str, ChatClient]],
+) -> RecordingFailoverChatClient:
+    """A route's health-aware failover chain over (provider name, client) pairs, in order."""
+    return RecordingFailoverChatClient(
+        route,
+        [client for _, client in members],
+        [name for name, _ in members],
+        leave_open=True,
+        breaker_factory=breakers,
+        retry_same_client=policy.retry_same_provider,
+        max_tries_per_client=policy.max_tries_per_provider,
+        retry_backoff=policy.retry_backoff,
+        retry_after_max=policy.retry_after_max,
+        request_deadline=policy.deadline,
+        context_windows=dict(windows),
+        maximum_attempts_per_request=policy.max_attempts,
+    )
 
 
 def _route_client(

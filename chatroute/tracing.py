@@ -75,9 +75,9 @@ class RequestTrace:
     its provider is known although its attempt record arrives only when the stream ends.
     The server fills in `status` (the HTTP status answered, 499 when the caller left
     first), `cancelled` ("disconnect" or "deadline" when the request was cut short by its
-    caller's side) and `committed` (whether output reached the caller), `usage` (the
-    token counts the provider reported) and, for a stream, `first_output_at` (the
-    `time.perf_counter()` reading when its first output arrived).
+    caller's side), `committed` (whether output reached the caller), the answer's `usage`
+    and `response_model` when the provider reported them and, for a stream,
+    `first_output_at` (the `time.perf_counter()` reading when its first output arrived).
     """
 
     route: str | None = None
@@ -89,6 +89,7 @@ class RequestTrace:
     stream: bool = False
     usage: UsageDetails | None = None
     first_output_at: float | None = None
+    response_model: str | None = None
 
     @property
     def attempt_count(self) -> int:

@@ -325,8 +325,8 @@ def test_classify_into_a_folder_and_index_build_onto_a_file_are_one_line_each(
 ) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text('"hello"\n')
-    folder = tmp_path / "out"
-    folder.mkdir()
+    folder = tmp_path / "out.jsonl"  # an output that exists and is no classify output
+    folder.write_text('{"not": "a classify output"}\n')
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not an index\n")
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -340,7 +340,8 @@ def test_classify_into_a_folder_and_index_build_onto_a_file_are_one_line_each(
         assert result.returncode == 2, result.stderr[-3000:]
         assert "Traceback" not in result.stderr
     assert _errors(classified.stderr) == [
-        f"error: --output {folder}: is a folder; give the path of a file"
+        f"error: {folder} exists and is not a resumable classify output (no fingerprint"
+        " record beside it); --overwrite replaces it"
     ]
     assert _errors(indexed.stderr) == [
         f"error: --output {a_file}: is a file, not a profile index folder"

@@ -108,7 +108,19 @@ def test_classify_file_reports_bad_lines_and_writes_one_record_per_input(
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(INPUT_LINES) + "\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    result = run("classify", "-c", config_file, source, "-o", out, "--batch-size", 2)
+    result = run(
+        "classify",
+        "-c",
+        config_file,
+        source,
+        "-o",
+        out,
+        "--batch-size",
+        2,
+        "--scores",
+        "--max-bad",
+        3,
+    )
     assert result.exit_code == 0, result.output
     records = read_jsonl(out)
     assert [r["line"] for r in records] == [1, 2, 4, 8, 9]
@@ -127,9 +139,9 @@ def test_classify_resumes_after_an_interrupted_run(config_file: Path, tmp_path: 
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(INPUT_LINES) + "\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    assert run("classify", "-c", config_file, source, "-o", out).exit_code == 0
+    assert run("classify", "-c", config_file, source, "-o", out, "--max-bad", 3).exit_code == 0
     complete = out.read_text()
-    # An interrupted run: two records, then half of the third.
+    # An interrupted run: two records, then half of the third, and a record that says so.
     lines = complete.splitlines(keepends=True)
     out.write_text(lines[0] + lines[1] + lines[2][:12])
     assert resume_point(out) == 2
@@ -137,13 +149,28 @@ def test_classify_resumes_after_an_interrupted_run(config_file: Path, tmp_path: 
     out.write_text(lines[0] + lines[1] + "not a record\n")  # a complete line, not ours
     assert resume_point(out) == 2  # the last record before it counts
     out.write_text(lines[0] + lines[1])
-    result = run("classify", "-c", config_file, source, "-o", out, "--no-progress")
+    # The record beside the output says the run did not finish.
+    manifest = out.with_name(out.name + ".classify.json")
+    manifest.write_text(manifest.read_text().replace('"complete": true', '"complete": false'))
+    result = run("classify", "-c", config_file, source, "-o", out, "--no-progress", "--max-bad", 3)
     assert result.exit_code == 0, result.output
     assert "resumed after line 2" in result.output
-    assert out.read_text() == complete  # nothing lost, nothing duplicated
+    _same_records(out.read_text(), complete)  # nothing lost, nothing duplicated
     again = run("classify", "-c", config_file, source, "-o", out, "--no-progress")
     assert "classified 0 inputs" in again.output
-    assert out.read_text() == complete
+    _same_records(out.read_text(), complete)
+
+
+def _same_records(got: str, expected: str) -> None:
+    """The same records in the same order; scores agree to float32 precision (a row's
+    embedding differs in its last bits with the batch it was embedded in)."""
+    rows = [json.loads(line) for line in got.splitlines()]
+    want = [json.loads(line) for line in expected.splitlines()]
+    assert [{**r, "score": None} for r in rows] == [{**r, "score": None} for r in want]
+    for row, other in zip(rows, want, strict=True):
+        assert (row["score"] is None) == (other["score"] is None)
+        if row["score"] is not None:
+            assert row["score"] == pytest.approx(other["score"], abs=1e-5)
 
 
 @pytest.mark.parametrize(

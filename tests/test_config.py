@@ -14,7 +14,13 @@ from chatroute.chat.types import ChatMessage
 from chatroute.config import ConfigError, load_config, parse_config
 from chatroute.engine import ROUTING_POLICIES, load_thresholds
 from chatroute.router import RouteDecision, Router
+from chatroute.router.conversation import ConversationPolicy
 from chatroute.server import RecordingFailoverChatClient, build_engine
+from chatroute.session import (
+    HistoryHygieneChatClient,
+    InMemorySessionStore,
+    StickyProviderChatClient,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chatroute.yaml"
 
@@ -186,12 +192,49 @@ def test_route_options_apply_on_a_clone_and_accept_openai_names() -> None:
         "extra_body": {"top_k": 20},
     }
     options = parse_config(data, environ={}).routes["code"].options
-    target = ChatOptions(temperature=0.9, additional_properties={"user_flag": 1})
+    # A route's options are defaults: what the caller sent stays, the rest is filled in.
+    target = ChatOptions(temperature=0.9, additional_properties={"user_flag": 1, "top_k": 5})
     options.apply(target)
-    assert target.temperature == 0.1 and target.max_output_tokens == 256
+    assert target.temperature == 0.9 and target.max_output_tokens == 256
     assert target.stop_sequences == ["###"]
     assert target.reasoning == {"effort": "high"}
-    assert target.additional_properties == {"user_flag": 1, "top_k": 20}
+    assert target.additional_properties == {"user_flag": 1, "top_k": 5}
+    bare = ChatOptions()
+    options.apply(bare)
+    assert bare.temperature == 0.1 and bare.additional_properties == {"top_k": 20}
+
+
+def test_a_route_override_forces_its_values_and_names_those_it_changed() -> None:
+    from chatroute.precedence import overridden_fields, route_configure
+
+    data = base()
+    data["routes"]["code"]["options"] = {"temperature": 0.8, "seed": 1}
+    data["routes"]["code"]["override"] = {
+        "temperature": 0.2,
+        "max_tokens": 100,
+        "extra_body": {"top_k": 20},
+    }
+    route = parse_config(data, environ={}).routes["code"]
+    configure = route_configure(route)
+    assert configure is not None
+    caller = ChatOptions(
+        temperature=0.0,
+        max_output_tokens=100,
+        seed=7,
+        additional_properties={"top_k": 40, "min_p": 0.1},
+    )
+    sent = caller.clone()
+    configure(sent)
+    assert (sent.temperature, sent.max_output_tokens, sent.seed) == (0.2, 100, 7)
+    assert sent.additional_properties == {"top_k": 20, "min_p": 0.1}
+    caller.pass_through_fields = frozenset({"top_k", "min_p"})
+    sent = caller.clone()
+    configure(sent)  # the forced top_k is the operator's: no pass_through setting drops it
+    assert sent.pass_through_fields == frozenset({"min_p"})
+    # Named: what the caller sent and the override changed (max_tokens was already 100).
+    assert overridden_fields(route.override, caller) == ["temperature", "top_k"]
+    assert overridden_fields(route.override, ChatOptions()) == []
+    assert route_configure(parse_config(base(), environ={}).routes["general"]) is None
 
 
 def test_engine_builds_chains_wrappers_and_router() -> None:
@@ -201,10 +244,17 @@ def test_engine_builds_chains_wrappers_and_router() -> None:
     try:
         code, general = engine.routes["code"], engine.routes["general"]
         assert isinstance(code, ConfigureOptionsChatClient)  # the route has options
-        chain = code.inner
+        # sessions are on by default: each route keeps a conversation on its provider
+        assert isinstance(code.inner, StickyProviderChatClient)
+        assert isinstance(general, StickyProviderChatClient)
+        assert isinstance(engine.sessions, InMemorySessionStore)
+        chain = engine.chains["code"]
         assert isinstance(chain, RecordingFailoverChatClient)
         assert [chain.provider_name(c) for c in chain.clients] == ["fast", "strong"]
-        assert isinstance(general, RecordingFailoverChatClient)
+        # each provider forwards the history its family can take
+        families = [_unwrap(c, HistoryHygieneChatClient).family for c in chain.clients]
+        assert families == ["openai", "openai"]
+        assert engine.router.context.name == "conversation"
         assert engine.router.default_client is general
         assert engine.route_name(code) == "code"
         assert engine.provider_models == {"fast": "small-model", "strong": "big"}
@@ -212,6 +262,53 @@ def test_engine_builds_chains_wrappers_and_router() -> None:
         assert [engine.route_name(c) for c in engine.router.clients] == ["general", "code"]
     finally:
         asyncio.run(engine.aclose())
+
+
+def test_sessions_off_route_is_the_failover_chain_and_last_user_context() -> None:
+    data = base()
+    data["sessions"] = {"enabled": False}
+    data["routing"]["context"] = "last_user"
+    engine = build_engine(parse_config(data, environ={}), environ={}, embedder=_NoEmbedder())
+    try:
+        assert engine.sessions is None
+        assert engine.routes["general"] is engine.chains["general"]
+        assert engine.router.context.name == "last_user"
+    finally:
+        asyncio.run(engine.aclose())
+
+
+def test_conversation_parameters_reach_the_policy_and_bad_ones_name_the_key() -> None:
+    data = base()
+    data["routing"]["conversation"] = {"window": 3, "margin": 0.2}
+    engine = build_engine(parse_config(data, environ={}), environ={}, embedder=_NoEmbedder())
+    try:
+        policy = engine.router.context
+        assert isinstance(policy, ConversationPolicy)
+        assert (policy.window, policy.margin, policy.confident_margin) == (3, 0.2, 0.06)
+    finally:
+        asyncio.run(engine.aclose())
+    data["routing"]["conversation"] = {"window": 0, "margn": 0.1}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, environ={})
+    paths = [path for path, _ in info.value.problems]
+    assert "routing.conversation.window" in paths and "routing.conversation.margn" in paths
+    data = base()
+    data["sessions"] = {"ttl": 0}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, environ={})
+    assert [path for path, _ in info.value.problems] == ["sessions.ttl"]
+
+
+def _unwrap(client: Any, kind: type[Any]) -> Any:
+    """The first layer of `client` (following `.inner`) that is a `kind`."""
+    while not isinstance(client, kind):
+        client = client.inner
+    return client
+
+
+def _provider(client: Any, engine: Any = None) -> Any:
+    """The provider (or the route's view of it) under a chain member's session layers."""
+    return _unwrap(client, HistoryHygieneChatClient).inner
 
 
 class _FirstRoute:
@@ -345,11 +442,12 @@ def test_engine_chains_share_one_breaker_per_provider_and_apply_route_limits() -
         assert code.breakers["strong"] is general.breakers["strong"]
         assert code.breakers["strong"] is engine.breakers.get("strong")
         assert code.maximum_attempts_per_request == 2 and code.request_deadline == 30
-        fast_view, strong_view = code.clients
+        fast_view, strong_view = (_provider(c, engine) for c in code.clients)
         assert fast_view is not engine.providers["fast"]  # a view with the route's limit
-        assert fast_view.first_token_timeout == 2  # type: ignore[attr-defined]
-        assert strong_view.first_token_timeout == 2  # type: ignore[attr-defined]
-        assert general.clients[0] is engine.providers["strong"]  # the provider's own: 9 s
+        assert fast_view.first_token_timeout == 2
+        assert strong_view.first_token_timeout == 2
+        # the provider's own: 9 s
+        assert _provider(general.clients[0], engine) is engine.providers["strong"]
         assert engine.providers["strong"].first_token_timeout == 9  # type: ignore[attr-defined]
         assert engine.resilience["code"].deadline == 30
     finally:
@@ -365,10 +463,11 @@ def test_given_providers_get_the_configured_limits_as_a_wrapper() -> None:
     custom = _Unused()
     engine = build_engine(config, environ={}, embedder=_NoEmbedder(), providers={"strong": custom})
     try:
-        wrapped = engine.chains["general"].clients[0]
+        member = engine.chains["general"].clients[0]
+        wrapped = _provider(member, engine)
         assert isinstance(wrapped, TimeoutChatClient) and wrapped.inner is custom
         assert (wrapped.first_token_timeout, wrapped.stall_timeout) == (9, 4)
-        assert engine.chains["general"].provider_name(wrapped) == "strong"
+        assert engine.chains["general"].provider_name(member) == "strong"
     finally:
         asyncio.run(engine.aclose())
 
@@ -401,3 +500,22 @@ def test_header_values_that_could_split_the_request_head_are_refused_with_the_ke
     with pytest.raises(ConfigError, match=r"providers\.p\.api_key_env.*KEY holds CR, LF"):
         parse_config(config(api_key_env="KEY"), environ={"KEY": "sk-abc\r\nx-evil: 1"})
     parse_config(config(headers={"x-team": "blue"}, api_key_env="KEY"), environ={"KEY": "sk-1"})
+
+
+def test_pass_through_and_cors_take_only_what_they_mean() -> None:
+    data = base()
+    data["providers"]["strong"]["pass_through"] = ["top_k"]
+    data["server"] = {"cors": {"allow_origins": ["https://app.example"]}}
+    config = parse_config(data, environ={})
+    assert config.providers["strong"].pass_through == ["top_k"]
+    assert config.providers["fast"].pass_through is None  # the provider type's default
+    assert config.server.cors is not None and config.server.cors.allow_methods == ["GET", "POST"]
+    assert parse_config(base(), environ={}).server.cors is None  # off by default
+    data["providers"]["strong"]["pass_through"] = "some"
+    data["server"] = {"cors": {}}
+    found = problems(data)
+    assert any(p.startswith("providers.strong.pass_through") for p in found), found
+    assert any(p.startswith("server.cors.allow_origins") for p in found), found
+    data = base()
+    data["routes"]["code"]["overide"] = {"temperature": 0}
+    assert any("did you mean 'override'" in p for p in problems(data))

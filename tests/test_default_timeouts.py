@@ -149,3 +149,26 @@ def test_the_silent_upstream_is_not_tried_again_in_the_same_request(
         )
     assert caught.value.status_code == 504
     assert stack.attempts() == {"local": 1, "strong": 1}
+
+
+def test_a_silent_upstream_is_failed_over_on_a_non_streamed_request_too(
+    example_stack: ServiceStack,
+) -> None:
+    # No stream, so no first token: the first-token limit bounds the wait for the answer
+    # to begin (its response head), not only the 300 s read timeout.
+    stack = example_stack
+    stack.reset()
+    stack.upstreams["strong"].default = Hang()
+    stack.upstreams["local"].default = Ok("answered by the fallback")
+    raw = stack.client.chat.completions.with_raw_response.create(
+        model="code",
+        messages=[{"role": "user", "content": "fix this bug in my python code"}],
+    )
+    assert raw.parse().choices[0].message.content == "answered by the fallback"
+    assert raw.headers["x-chatroute-provider"] == "local"
+    assert raw.headers["x-chatroute-attempts"] == "2"
+    stack.upstreams["strong"].wait_for_disconnect(0)
+    (trace,) = stack.wait_traces(1)
+    first = trace.attempts[0]
+    assert (first.provider, first.outcome) == ("strong", "failed")
+    assert first.failure_kind == "first_token_timeout"

@@ -150,3 +150,58 @@ def test_completion_envelope_values_of_the_wrong_kind_are_dropped(
 def test_completion_without_a_message_is_malformed(choices: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         response_from_openai(_completion(choices=choices))
+
+
+def test_the_callers_unknown_fields_go_as_pass_through_allows_and_extra_body_wins() -> None:
+    from chatroute import ChatMessage, ChatOptions
+    from chatroute.providers.mapping import build_request
+
+    options = ChatOptions(
+        max_output_tokens=9,
+        additional_properties={"top_k": 40, "min_p": 0.1, "logprobs": True},
+        pass_through_fields=frozenset({"top_k", "min_p"}),
+    )
+    messages = [ChatMessage("user", "hi")]
+
+    def body(pass_through: Any, extra_body: Any = None) -> dict[str, Any]:
+        return build_request(
+            messages,
+            options,
+            default_model="m",
+            stream=False,
+            pass_through=pass_through,
+            extra_body=extra_body,
+        )
+
+    assert {k: body("all")[k] for k in ("top_k", "min_p", "logprobs")} == {
+        "top_k": 40,
+        "min_p": 0.1,
+        "logprobs": True,
+    }
+    strict = body("none")
+    assert "top_k" not in strict and "min_p" not in strict and strict["logprobs"] is True
+    assert "min_p" not in body(frozenset({"top_k"})) and body(frozenset({"top_k"}))["top_k"] == 40
+    assert body("all", {"top_k": 5})["top_k"] == 5  # the operator's wins
+    assert body("all")["max_tokens"] == 9
+    options.additional_properties = {"max_completion_tokens": 9}
+    sent = body("all")
+    assert sent["max_completion_tokens"] == 9 and "max_tokens" not in sent
+
+
+def test_further_choices_are_kept_by_index() -> None:
+    completion = {
+        "id": "x",
+        "model": "m",
+        "choices": [
+            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+            for i, t in enumerate(["a", "b"])
+        ],
+    }
+    response = response_from_openai(completion)
+    assert response.text == "a"
+    assert response.additional_properties is not None
+    (other,) = response.additional_properties["more_choices"]
+    assert other.text == "b"
+    chunk = {"id": "x", "choices": [{"index": 1, "delta": {"content": "b"}}]}
+    update = update_from_openai_chunk(chunk)
+    assert update.text == "b" and update.additional_properties == {"choice_index": 1}

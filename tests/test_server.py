@@ -462,7 +462,11 @@ def test_roles_content_parts_tools_and_params_map_to_chat_types(h: Harness) -> N
     assert options.tool_choice == "auto"
     assert options.response_format == {"type": "json_object"}
     assert options.reasoning == {"effort": "low"}
-    assert options.additional_properties == {"parallel_tool_calls": False}
+    # max_completion_tokens is kept by name, to reach OpenAI-compatible upstreams as sent
+    assert options.additional_properties == {
+        "parallel_tool_calls": False,
+        "max_completion_tokens": 64,
+    }
     assert options.model_id is None  # the route's provider decides the model
 
 
@@ -505,7 +509,7 @@ def test_roles_content_parts_tools_and_params_map_to_chat_types(h: Harness) -> N
             "temperature",
         ),
         (
-            json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(),
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}).encode(),
             400,
             "n:",
         ),
@@ -613,7 +617,14 @@ def test_route_endpoint_takes_input_or_messages(h: Harness) -> None:
         "score": None,
         "scores": {},
         "is_default": True,
+        "scoring": "prototype",
         "matches": [],
+        "outcome": "new",
+        "conversation_route": None,
+        "conversation_score": None,
+        "challenger_route": None,
+        "challenger_score": None,
+        "turns_read": 0,
     }
     assert h.fast.calls == [] and h.strong.calls == []
 

@@ -277,3 +277,24 @@ def test_audio_for_anthropic_is_400_and_not_sent(stack: Stack) -> None:
         )
     assert "audio/mpeg" in str(caught.value)
     assert stack.claude.requests == []
+
+
+def test_anthropic_drops_what_it_cannot_take_and_names_it(stack: Stack) -> None:
+    raw = stack.chat("claude", seed=3, logprobs=True, extra_body={"min_p": 0.1, "top_k": 20}, n=1)
+    assert raw.headers["x-chatroute-provider"] == "claude"
+    assert raw.headers["x-chatroute-ignored-params"] == "logprobs,min_p,seed,top_k"
+    sent = stack.claude.requests[0].json
+    assert not {"seed", "logprobs", "min_p", "top_k", "n"} & set(sent)
+
+
+def test_anthropic_names_what_it_dropped_in_a_stream_too(stack: Stack) -> None:
+    raw = stack.chat("claude", stream=True, extra_body={"repetition_penalty": 1.1})
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert raw.headers["x-chatroute-ignored-params"] == "repetition_penalty"
+
+
+def test_n_above_1_on_anthropic_is_a_clear_400(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.chat("claude", n=2)
+    assert "n=2" in str(caught.value) and "one choice" in str(caught.value)
+    assert stack.claude.attempts == 0  # refused before anything was sent

@@ -115,16 +115,21 @@ def test_a_stream_cut_by_the_deadline_after_its_first_content_counts_as_after_ou
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
-def test_an_error_answer_still_names_the_ignored_fields(stream: bool) -> None:
+def test_unknown_fields_reach_the_provider_and_an_error_answer_names_none_ignored(
+    stream: bool,
+) -> None:
     strong = Provider("strong")
     strong.script.append(upstream_error(503, "down"))
     with stack(strong) as s:
         body = {"model": "general", "messages": [USER], "stream": stream, "frobnicate": 1}
         r = s.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 503
-        assert r.headers["x-chatroute-ignored-params"] == "frobnicate"
+        assert "x-chatroute-ignored-params" not in r.headers  # no provider dropped it
         assert r.headers["x-chatroute-route"] == "general"
         assert r.json()["error"]["message"].endswith("down")
+        (_, options), *_ = strong.calls
+        assert options.additional_properties["frobnicate"] == 1
+        assert options.pass_through_fields == frozenset({"frobnicate"})
 
 
 def test_a_failure_preparing_the_stream_after_its_first_content_closes_the_routed_stream(

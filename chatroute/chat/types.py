@@ -262,6 +262,9 @@ class ChatOptions:
     presence_penalty: float | None = None
     user: str | None = None
     additional_properties: dict[str, Any] | None = None
+    # The names in `additional_properties` the caller sent as fields chatroute does not
+    # know: a provider forwards them only as its `pass_through` setting allows.
+    pass_through_fields: frozenset[str] | None = None
 
     def clone(self) -> ChatOptions:
         """A shallow copy: lists and the properties dict are new, their items shared."""

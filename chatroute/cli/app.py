@@ -1,4 +1,4 @@
-"""The `chatroute` command line: serve, check, route, classify, fit and index build."""
+"""The `chatroute` command line: serve, reload, check, route, classify, fit and index build."""
 
 from __future__ import annotations
 
@@ -8,20 +8,13 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
 
 from chatroute import checks
 from chatroute.chat.types import ChatMessage, ChatRole
@@ -29,7 +22,7 @@ from chatroute.cli.errors import UserErrorGroup
 from chatroute.config import ChatrouteConfig
 
 if TYPE_CHECKING:
-    from chatroute.cli.classify import BadLine, ClassifyReport
+    from chatroute.cli.classify import BadLine
     from chatroute.engine import Engine
     from chatroute.index import ProfileIndex
 
@@ -47,6 +40,17 @@ app = typer.Typer(
 )
 index_app = typer.Typer(help="Build and manage the persisted profile index.", no_args_is_help=True)
 app.add_typer(index_app, name="index")
+
+
+class _Format(str, Enum):
+    jsonl = "jsonl"
+    csv = "csv"
+    parquet = "parquet"
+
+
+class _Engine(str, Enum):
+    local = "local"
+    ray = "ray"
 
 
 def _console() -> Console:
@@ -110,7 +114,11 @@ def serve(
     proxies = settings.server.forwarded_allow_ips
     logging_options = {} if log_format == "text" else {"log_config": uvicorn_log_config(log_format)}
     run_server(
-        create_app(settings, embedder=checks.load_embedder(settings, source=str(config))),
+        create_app(
+            settings,
+            embedder=checks.load_embedder(settings, source=str(config)),
+            config_path=config,  # live reload: SIGHUP, POST /admin/reload
+        ),
         **logging_options,
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
@@ -140,6 +148,31 @@ def _quiet_model_loading() -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+@app.command()
+def reload(
+    url: Annotated[
+        str,
+        typer.Option(help="The running service (http://host:port).", envvar="CHATROUTE_URL"),
+    ],
+    admin_key: Annotated[
+        str,
+        typer.Option(help="The service's admin key.", envvar="CHATROUTE_ADMIN_KEY"),
+    ],
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for the reload to finish.")
+    ] = 300.0,
+) -> None:
+    """Reload a running service's config file (POST /admin/reload); print its report as JSON."""
+    from chatroute.cli.admin import reload_remote
+    from chatroute.cli.remote import RemoteError
+
+    try:
+        report = reload_remote(url, admin_key, timeout=timeout)
+    except RemoteError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(json.dumps(report, indent=2))
 
 
 @app.command()
@@ -229,51 +262,121 @@ def _route_texts(texts: list[str]) -> list[str]:
 def classify(
     config: ConfigOption,
     source: Annotated[
-        Path, typer.Argument(help="JSONL input: strings, {'input'} or {'messages'} lines.")
+        str,
+        typer.Argument(
+            help="Input file ('-' for stdin): JSONL (strings, {'input'} or {'messages'} "
+            "lines), CSV or Parquet; with --engine ray also a folder or a remote path.",
+            show_default=False,
+        ),
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL output (appended).")],
-    batch_size: Annotated[int, typer.Option(min=1, help="Inputs per embedding batch.")] = 256,
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            help="A file, a folder of part files (a name ending in '/'), or '-' for stdout.",
+            show_default=False,
+        ),
+    ],
+    input_format: Annotated[
+        _Format | None, typer.Option("--format", help="Input format (default: by extension).")
+    ] = None,
+    output_format: Annotated[
+        _Format | None,
+        typer.Option(help="Output format (default: by extension; Parquet for a folder)."),
+    ] = None,
+    text_field: Annotated[
+        str | None, typer.Option(help="Column with the text to route (default: input).")
+    ] = None,
+    messages_field: Annotated[
+        str | None,
+        typer.Option(help="Column with OpenAI-shaped messages (default: messages)."),
+    ] = None,
+    id_field: Annotated[
+        str | None, typer.Option(help="Column carried as the row's id (default: id).")
+    ] = None,
+    keep: Annotated[
+        str | None, typer.Option(help="Comma-separated input columns to carry to the output.")
+    ] = None,
+    scores: Annotated[bool, typer.Option(help="Also write every route's score.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1, help="Inputs per routing batch.")] = 256,
+    part_rows: Annotated[
+        int, typer.Option(min=1, help="Rows per part file of a folder output.")
+    ] = 20_000,
+    summary: Annotated[
+        Path | None, typer.Option(help="Also write the per-route summary as JSON here.")
+    ] = None,
+    max_bad: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Stop (exit 1) past this many malformed rows; at most that many exit 0. "
+            "Default: read everything, exit 1 if any row was malformed.",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing output instead of resuming it.")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    engine: Annotated[
+        _Engine, typer.Option(help="local: this process; ray: Ray Data actors.")
+    ] = _Engine.local,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster to connect to (default: a local instance)."),
+    ] = None,
+    num_actors: Annotated[int, typer.Option(min=1, help="Ray: router actors.")] = 1,
+    gpus_per_actor: Annotated[
+        float, typer.Option(min=0.0, help="Ray: GPUs per actor (the model runs in fp16).")
+    ] = 0.0,
+    cpus_per_actor: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Ray: CPUs per actor (local instance: its CPUs / actors)."),
+    ] = None,
 ) -> None:
-    """Classify every line of SOURCE into OUTPUT; a rerun resumes where OUTPUT stops."""
-    from chatroute.cli.classify import classify_file
+    """Classify every row of SOURCE into OUTPUT; a rerun resumes where OUTPUT stops."""
+    from chatroute.cli.classify_command import ClassifyFailure, ClassifyOptions, run_classify
+    from chatroute.cli.classify_read import Fields
 
     settings = _config(config)
-    checks.output_file("--output", output, not_same_as=checks.input_file("SOURCE", source))
-    if not source.is_file():
-        raise _fail(f"no such input file: {source}")
-    console = _console()
-    bar = Progress(
-        TextColumn("[bold]classify"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not progress,
-    )
-
-    def bad_line(bad: BadLine) -> None:
-        console.print(f"{source}:{bad.line}: skipped: {bad.reason}", markup=False)
-
-    async def work(engine: Engine) -> ClassifyReport:
-        task = bar.add_task("classify", total=source.stat().st_size)
-        with bar:
-            return await classify_file(
-                engine,
-                source,
-                output,
-                batch_size=batch_size,
-                on_progress=lambda n: bar.advance(task, n),
-                on_bad_line=bad_line,
+    if source != "-" and engine is _Engine.local:
+        read = checks.input_file("SOURCE", source)
+        if output != "-" and Path(output).is_file() and Path(output).samefile(read):
+            raise checks.PathError(
+                "--output", Path(output), "is the input file; write the output to another file"
             )
-
-    report = _run_engine(settings, work)
-    resumed = f" (resumed after line {report.resumed_after})" if report.resumed_after else ""
-    note(
-        f"classified {report.classified} inputs{resumed}; "
-        f"{len(report.bad)} bad lines; output: {output}"
+    options = ClassifyOptions(
+        source=source,
+        output=output,
+        input_format=input_format.value if input_format else None,
+        output_format=output_format.value if output_format else None,
+        fields=Fields(
+            text=text_field,
+            messages=messages_field,
+            id=id_field,
+            keep=tuple(name.strip() for name in (keep or "").split(",") if name.strip()),
+        ),
+        scores=scores,
+        batch_size=batch_size,
+        part_rows=part_rows,
+        summary_file=summary,
+        max_bad=max_bad,
+        overwrite=overwrite,
+        progress=progress,
+        engine=engine.value,
+        ray_address=ray_address,
+        num_actors=num_actors,
+        gpus_per_actor=gpus_per_actor,
+        cpus_per_actor=cpus_per_actor,
     )
+    try:
+        code = run_classify(settings, options, _console())
+    except ClassifyFailure as exc:
+        raise _fail(exc.message, exc.code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()

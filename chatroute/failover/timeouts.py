@@ -20,6 +20,7 @@ __all__ = [
     "DeadlineExceededError",
     "TimeoutChatClient",
     "check_limit",
+    "head_within",
     "stream_within",
     "within",
 ]
@@ -66,6 +67,29 @@ async def within(call: Callable[[], Awaitable[T]], limit: float | None, *, name:
         if timer.expired() and not is_cancelling():
             raise ProviderTimeoutError(
                 f"no answer within the attempt timeout of {limit:g} s", provider=name
+            ) from exc
+        raise
+
+
+async def head_within(
+    call: Callable[[], Awaitable[T]], limit: float | None, *, name: str | None
+) -> T:
+    """`await call()` within the first-token limit (None: no limit): the wait for a
+    non-streamed answer to begin (its response head).
+
+    When the limit expires the call is cancelled and `FirstTokenTimeoutError` raised, the
+    task left not cancelling; a cancellation of the caller passes through.
+    """
+    if limit is None:
+        return await call()
+    timer = asyncio.timeout(limit)
+    try:
+        async with timer:
+            return await call()
+    except (Exception, asyncio.CancelledError) as exc:
+        if timer.expired() and not is_cancelling():
+            raise FirstTokenTimeoutError(
+                f"no answer began within the first-token limit of {limit:g} s", provider=name
             ) from exc
         raise
 

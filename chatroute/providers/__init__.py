@@ -26,6 +26,7 @@ from chatroute.errors import (
 from chatroute.providers.anthropic_messages import AnthropicChatClient
 from chatroute.providers.http_base import HTTPChatClient, StreamTranslator
 from chatroute.providers.openai_compat import OpenAIChatClient
+from chatroute.providers.pass_through import PassThrough
 from chatroute.providers.registry import provider_class, provider_types, register_provider
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "HTTPChatClient",
     "MalformedResponseError",
     "OpenAIChatClient",
+    "PassThrough",
     "ProviderAuthError",
     "ProviderBadRequestError",
     "ProviderConnectionError",

@@ -30,6 +30,7 @@ from chatroute.chat.types import (
 from chatroute.errors import UpstreamStreamError, error_fields, redact
 from chatroute.providers.http_base import HTTPChatClient, HTTPSettings, StreamTranslator
 from chatroute.providers.mapping import OPENAI_EXTRA_FIELDS, _result_text, tool_to_openai
+from chatroute.providers.pass_through import PassThrough, passed_extras
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -66,7 +67,10 @@ THINKING_BUDGETS: Mapping[str, int] = {
 # OpenAI request fields that reach `ChatOptions.additional_properties` from the service's
 # wire format and have no Messages API counterpart: dropped rather than sent (the API
 # refuses unknown fields). `parallel_tool_calls` is translated (see `_tool_choice`).
-_OPENAI_ONLY = frozenset({*OPENAI_EXTRA_FIELDS, "n"})
+_OPENAI_ONLY = frozenset({*OPENAI_EXTRA_FIELDS, "max_completion_tokens"})
+# Of those, the ones a request's other fields already stand for (not dropped).
+_TRANSLATED = frozenset({"parallel_tool_calls", "max_completion_tokens", "n"})
+_UNSENT_OPTIONS = ("seed", "frequency_penalty", "presence_penalty")
 _RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "system", "max_tokens"})
 
 
@@ -255,6 +259,7 @@ def build_anthropic_request(
     default_model: str | None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     extra_body: Mapping[str, Any] | None = None,
+    pass_through: PassThrough = "none",
 ) -> dict[str, Any]:
     """The Messages API request body for chatroute messages and options.
 
@@ -266,13 +271,18 @@ def build_anthropic_request(
     budget in `THINKING_BUDGETS` (and `max_tokens` raised to leave room for an answer).
     `seed` and the frequency and presence penalties have no counterpart and are not sent;
     a JSON `response_format` raises ValueError. `additional_properties` are sent as extra
-    body fields, less the OpenAI-only ones (`logprobs`, `store`, ...).
+    body fields, less the OpenAI-only ones (`logprobs`, `store`, ...) and the caller's
+    unknown fields `pass_through` drops; `extra_body` last (it wins). `n` above 1 raises
+    ValueError (the API answers one choice).
     """
     options = options if options is not None else ChatOptions()
     model = options.model_id or default_model
     if not model:
         raise ValueError("no model: set the client's model or ChatOptions.model_id")
     _check_response_format(options.response_format)
+    n = (options.additional_properties or {}).get("n")
+    if n is not None and n != 1:
+        raise ValueError(f"n={n}: the Anthropic Messages API answers one choice; send n=1")
     system, turns = messages_to_anthropic(messages, instructions=options.instructions)
     max_tokens = options.max_output_tokens or default_max_tokens
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": turns}
@@ -288,7 +298,7 @@ def build_anthropic_request(
         body["metadata"] = {"user_id": options.user}
     if options.tools:
         body["tools"] = [_tool(tool) for tool in options.tools]
-    extra = dict(options.additional_properties or {})
+    extra, _ = passed_extras(options, pass_through)
     choice = _tool_choice(options.tool_choice, extra.get("parallel_tool_calls"))
     if choice is not None:
         body["tool_choice"] = choice
@@ -298,7 +308,7 @@ def build_anthropic_request(
         body["thinking"] = {"type": "enabled", "budget_tokens": budget}
         if max_tokens <= budget:
             body["max_tokens"] = budget + max_tokens
-    for source in (extra_body or {}, extra):
+    for source in (extra, extra_body or {}):
         for key, value in source.items():
             if key not in _OPENAI_ONLY and key not in _RESERVED_BODY_KEYS:
                 body[key] = value
@@ -442,6 +452,7 @@ class AnthropicChatClient(HTTPChatClient):
     path = "v1/messages"
     models_path = "v1/models"
     default_base_url = DEFAULT_BASE_URL
+    default_pass_through = "none"
     reserved_body_keys = _RESERVED_BODY_KEYS
     request_id_headers = ("request-id", "x-request-id")
 
@@ -478,9 +489,21 @@ class AnthropicChatClient(HTTPChatClient):
             default_model=self.model,
             default_max_tokens=self.default_max_tokens,
             extra_body=self.extra_body,
+            pass_through=self.pass_through,
         )
         body["stream"] = stream
         return body
+
+    def _ignored_params(self, options: ChatOptions | None) -> list[str]:
+        """The caller's unknown fields `pass_through` drops, the OpenAI-only fields and
+        the options the Messages API has no counterpart for."""
+        if options is None:
+            return []
+        _, dropped = passed_extras(options, self.pass_through)
+        extra = options.additional_properties or {}
+        dropped += [key for key in extra if key in _OPENAI_ONLY and key not in _TRANSLATED]
+        dropped += [name for name in _UNSENT_OPTIONS if getattr(options, name) is not None]
+        return sorted(set(dropped))
 
     def _read_answer(self, data: dict[str, Any]) -> ChatResponse:
         if data.get("type") == "error":

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import functools
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
@@ -15,10 +13,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 import aiohttp
 import orjson
 import pydantic
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.client_reqrep import ConnectionKey
-from aiohttp.helpers import get_env_proxy_for_url
-from yarl import URL
 
 from chatroute import __version__
 from chatroute.chat.client import ChatClient
@@ -44,8 +38,11 @@ from chatroute.errors import (
     redact,
     status_error,
 )
-from chatroute.failover.timeouts import check_limit, stream_within, within
+from chatroute.failover.timeouts import check_limit, head_within, stream_within, within
+from chatroute.providers import request_hooks
+from chatroute.providers.pass_through import PassThrough, report_ignored
 from chatroute.providers.sse import SSEReader
+from chatroute.providers.transport import Transport, tls_setting
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -54,10 +51,8 @@ __all__ = ["HTTPChatClient", "HTTPSettings", "StreamTranslator", "check_header_v
 
 _log = logging.getLogger(__name__)
 
-# The most an upstream's response head line and each header field may hold, and the most
-# of an error answer's body read to describe it (the rest is dropped with the connection).
-MAX_HEAD_LINE = 16 * 1024
-MAX_FIELD_SIZE = 16 * 1024
+# The most of an error answer's body read to describe it (the rest is dropped with the
+# connection).
 MAX_ERROR_BODY = 64 * 1024
 
 
@@ -84,6 +79,7 @@ class HTTPSettings(TypedDict, total=False):
     context_window: int | None
     verify: bool | str | ssl.SSLContext
     default_query: Mapping[str, str] | None
+    pass_through: PassThrough | None
 
 
 class _Keep:
@@ -99,91 +95,6 @@ def check_header_value(name: str, value: str) -> None:
     for text in (name, value):
         if "\r" in text or "\n" in text or "\0" in text:
             raise ValueError(f"header {name!r}: names and values may not contain CR, LF or NUL")
-
-
-@functools.cache
-def _default_tls() -> ssl.SSLContext:
-    """One verifying TLS context for all providers (loading CAs is slow); the system's CA
-    bundle, or SSL_CERT_FILE / SSL_CERT_DIR when set."""
-    return ssl.create_default_context()
-
-
-def _tls(verify: bool | str | ssl.SSLContext) -> ssl.SSLContext | bool:
-    """What the connector takes for a `verify` setting (False: no verification)."""
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    if verify is True:
-        return _default_tls()
-    if verify is False:
-        return False
-    if os.path.isdir(verify):
-        return ssl.create_default_context(capath=verify)
-    return ssl.create_default_context(cafile=verify)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, keeping at most `max_idle` idle connections per endpoint (the
-    oldest beyond it are closed when a connection comes back)."""
-
-    def __init__(self, *, max_idle: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._max_idle = max_idle
-
-    def _release(
-        self, key: ConnectionKey, protocol: ResponseHandler, *, should_close: bool = False
-    ) -> None:
-        super()._release(key, protocol, should_close=should_close)
-        idle = self._conns.get(key)
-        while idle is not None and len(idle) > self._max_idle:
-            oldest, _ = idle.popleft()
-            oldest.close()
-
-
-class _Transport:
-    """One provider's `aiohttp.ClientSession`, made on first use (a session belongs to the
-    event loop it is made in) and shared with the provider's `with_timeouts` views."""
-
-    def __init__(self, **settings: Any) -> None:
-        self.settings = settings
-        self.session: aiohttp.ClientSession | None = None
-        self.closed = False
-
-    def get(self) -> aiohttp.ClientSession:
-        session = self.session
-        if session is None:
-            s = self.settings
-            idle = s["max_keepalive_connections"]
-            connector = _Connector(
-                max_idle=idle,
-                limit=s["max_connections"],
-                force_close=idle == 0,
-                keepalive_timeout=s["keepalive_expiry"] if idle else None,
-                ssl=s["tls"],
-            )
-            # The environment's proxy for the endpoint (HTTP(S)_PROXY less NO_PROXY), read
-            # once here: aiohttp's trust_env would read it (and ~/.netrc) in a worker thread
-            # on every request.
-            try:
-                proxy, proxy_auth = get_env_proxy_for_url(URL(s["url"]))
-            except LookupError:
-                proxy, proxy_auth = None, None
-            session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=s["timeout"],
-                proxy=proxy,
-                proxy_auth=proxy_auth,
-                cookie_jar=aiohttp.DummyCookieJar(),  # never share an upstream's cookies
-                max_line_size=MAX_HEAD_LINE,
-                max_field_size=MAX_FIELD_SIZE,
-            )
-            self.session = session
-        return session
-
-    async def aclose(self) -> None:
-        self.closed = True
-        if self.session is not None:
-            session, self.session = self.session, None
-            await session.close()
 
 
 class StreamTranslator(Protocol):
@@ -253,10 +164,10 @@ class HTTPChatClient(ChatClient):
         read, not the whole head). `write_timeout` is accepted for compatibility; aiohttp
         bounds no single write, and a whole attempt is bounded by `request_timeout`.
       - `request_timeout`: a whole attempt (non-streaming), or a whole stream.
-      - `first_token_timeout` (streams): from the call to the first content-bearing
-        update (`FirstTokenTimeoutError`); `stall_timeout`: the longest gap between two
-        updates after it (`StreamStallTimeoutError`). Both are applied as
-        `TimeoutChatClient` applies them (`chatroute.failover.timeouts`).
+      - `first_token_timeout`: from the call to a stream's first content-bearing update,
+        or to a non-streamed answer's response head (`FirstTokenTimeoutError`);
+        `stall_timeout`: the longest gap between two updates of a stream after it
+        (`StreamStallTimeoutError`). Applied as `chatroute.failover.timeouts` does.
       - `tail_timeout` (streams): after the finish reason, the longest wait for the rest
         (a usage event, the end of the body); when it runs out the stream simply ends.
 
@@ -276,6 +187,7 @@ class HTTPChatClient(ChatClient):
     path: ClassVar[str] = ""
     models_path: ClassVar[str] = "models"
     default_base_url: ClassVar[str | None] = None
+    default_pass_through: ClassVar[PassThrough] = "all"
     reserved_body_keys: ClassVar[frozenset[str]] = frozenset({"model", "messages", "stream"})
     request_id_headers: ClassVar[tuple[str, ...]] = ("x-request-id",)
 
@@ -302,6 +214,7 @@ class HTTPChatClient(ChatClient):
         context_window: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
         default_query: Mapping[str, str] | None = None,
+        pass_through: PassThrough | None = None,
     ) -> None:
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("model must be a non-empty string or None")
@@ -328,6 +241,7 @@ class HTTPChatClient(ChatClient):
         self.stall_timeout = check_limit("stall_timeout", stall_timeout)
         self.tail_timeout = _positive("tail_timeout", tail_timeout) or 2.0
         self.extra_body = dict(extra_body) if extra_body else None
+        self.pass_through = self.default_pass_through if pass_through is None else pass_through
         self.context_window = context_window
         self._secrets: tuple[str, ...] = (api_key,) if api_key else ()
         self._closed = False
@@ -347,12 +261,12 @@ class HTTPChatClient(ChatClient):
         connect = _positive("connect_timeout", connect_timeout)
         pool = _positive("pool_timeout", pool_timeout)
         _positive("write_timeout", write_timeout)
-        self._transport = _Transport(
+        self._transport = Transport(
             url=self._url,
             max_connections=max_connections,
             max_keepalive_connections=max_keepalive_connections,
             keepalive_expiry=keepalive_expiry,
-            tls=_tls(verify),
+            tls=tls_setting(verify),
             timeout=aiohttp.ClientTimeout(
                 total=None,
                 connect=(connect + pool) if connect is not None and pool is not None else None,
@@ -394,6 +308,10 @@ class HTTPChatClient(ChatClient):
     def _translator(self) -> StreamTranslator:
         """A reader of one stream's events."""
         raise NotImplementedError
+
+    def _ignored_params(self, options: ChatOptions | None) -> list[str]:
+        """The request fields this provider does not send (x-chatroute-ignored-params)."""
+        return []
 
     def _status_label(self, etype: str | None, code: str | None) -> str | None:
         """What an HTTP error's message names it by."""
@@ -486,11 +404,14 @@ class HTTPChatClient(ChatClient):
     async def _post(self, body: bytes) -> aiohttp.ClientResponse:
         """POST the body; the unread response of a 2xx answer, else the typed error."""
         session = self._session()
+        headers = self._headers
+        if request_hooks.header_hook is not None:  # trace context for the upstream
+            headers = request_hooks.added_headers(self, headers)
         try:
             response = await session.post(
                 self._url + self.path,
                 data=body,
-                headers=self._headers,
+                headers=headers,
                 params=self._query,
                 allow_redirects=False,
             )
@@ -578,10 +499,13 @@ class HTTPChatClient(ChatClient):
         self, messages: Sequence[ChatMessage], options: ChatOptions | None = None
     ) -> ChatResponse:
         body = self._body(messages, options, stream=False)
-        return await within(lambda: self._answer(body), self.request_timeout, name=self.name)
+        answer = await within(lambda: self._answer(body), self.request_timeout, name=self.name)
+        report_ignored(answer, self._ignored_params(options))  # for the service's header
+        return answer
 
     async def _answer(self, body: bytes) -> ChatResponse:
-        response = await self._post(body)
+        limit = self.first_token_timeout  # the head: most servers send it with the answer
+        response = await head_within(lambda: self._post(body), limit, name=self.name)
         try:
             raw = await response.read()
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
@@ -673,6 +597,7 @@ class HTTPChatClient(ChatClient):
                     update = _merge(held, update)
                     held.clear()
                     committed = True
+                    report_ignored(update, self._ignored_params(options))
                 yield update
             if not translator.finished:
                 raise TruncatedStreamError(

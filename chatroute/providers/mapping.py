@@ -23,6 +23,7 @@ from chatroute.chat.types import (
     UriContent,
     UsageDetails,
 )
+from chatroute.providers.pass_through import PassThrough, passed_extras
 
 __all__ = [
     "AUDIO_MEDIA_TYPES",
@@ -43,6 +44,7 @@ __all__ = [
 MaxTokensParam = Literal["max_tokens", "max_completion_tokens"]
 
 OPENAI_EXTRA_FIELDS: tuple[str, ...] = (
+    "n",
     "parallel_tool_calls",
     "logprobs",
     "top_logprobs",
@@ -349,12 +351,16 @@ def build_request(
     include_usage: bool = True,
     send_reasoning: bool = True,
     extra_body: Mapping[str, Any] | None = None,
+    pass_through: PassThrough = "all",
 ) -> dict[str, Any]:
     """The JSON body of a chat-completions request.
 
     `options.model_id` overrides `default_model`; `max_output_tokens` goes out as
-    `max_tokens_param`; `reasoning` (an effort string, or a dict with "effort") becomes
-    `reasoning_effort`; `additional_properties` are passed through last and win.
+    `max_tokens_param`, or as `max_completion_tokens` when `additional_properties` has
+    that key (the caller's own name for it); `reasoning` (an effort string, or a dict with
+    "effort") becomes `reasoning_effort`; `additional_properties` (the caller's unknown
+    fields as `pass_through` allows) are added after the options, and `extra_body` (the
+    operator's) last: it wins.
     """
     opts = options if options is not None else ChatOptions()
     model = opts.model_id or default_model
@@ -372,6 +378,9 @@ def build_request(
         value = getattr(opts, key)
         if value is not None:
             body[key] = value
+    extras, _ = passed_extras(opts, pass_through)
+    if extras.pop("max_completion_tokens", None) is not None:
+        max_tokens_param = "max_completion_tokens"
     if opts.max_output_tokens is not None:
         body[max_tokens_param] = opts.max_output_tokens
     if opts.stop_sequences:
@@ -389,10 +398,9 @@ def build_request(
         body["stream"] = True
         if include_usage:
             body["stream_options"] = {"include_usage": True}
+    body.update(extras)
     if extra_body:
         body.update(extra_body)
-    if opts.additional_properties:
-        body.update(opts.additional_properties)
     return body
 
 
@@ -582,7 +590,9 @@ def _str_or_none(value: Any) -> str | None:
 def response_from_openai(completion: Any, *, provider: str | None = None) -> ChatResponse:
     """A ChatResponse from an OpenAI chat completion (decoded JSON or SDK object).
 
-    Only the first choice is read. Raises ValueError when it is not a chat completion.
+    The first choice is the response; with several (`n` > 1) the others are responses of
+    their own in `additional_properties["more_choices"]`. Raises ValueError when it is
+    not a chat completion.
     """
     data = _plain(completion)
     choice = _first_choice(data)
@@ -603,6 +613,9 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
     logprobs = choice.get("logprobs")
     if logprobs is not None:
         props["logprobs"] = _plain(logprobs) if not isinstance(logprobs, Mapping) else logprobs
+    others = (data.get("choices") or [])[1:]  # n > 1: each further choice as a response of its own
+    if others:
+        props["more_choices"] = [response_from_openai({**data, "choices": [c]}) for c in others]
     return ChatResponse(
         messages=[message],
         model_id=_str_or_none(data.get("model")),
@@ -618,8 +631,10 @@ def response_from_openai(completion: Any, *, provider: str | None = None) -> Cha
 def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> ChatResponseUpdate:
     """A ChatResponseUpdate from one streamed chunk (decoded JSON or SDK object).
 
-    Only the first choice is read; a chunk without choices (usage, prompt filter results)
-    gives an update with no contents. Raises ValueError on a malformed chunk.
+    A choice other than the first (`n` > 1) is named by `additional_properties
+    ["choice_index"]`; a chunk with several choices gives the first's update with the
+    others' in `additional_properties["more_choices"]`. A chunk without choices (usage,
+    prompt filter results) gives an update with no contents. Raises ValueError on a malformed chunk.
     """
     data = _plain(chunk)
     choice = _first_choice(data)
@@ -651,6 +666,16 @@ def update_from_openai_chunk(chunk: Any, *, provider: str | None = None) -> Chat
         if logprobs is not None:
             props = props or {}
             props["logprobs"] = logprobs if isinstance(logprobs, Mapping) else _plain(logprobs)
+        index = choice.get("index")
+        if isinstance(index, int) and index:  # n > 1: which choice this update belongs to
+            props = {**(props or {}), "choice_index": index}
+        others = (data.get("choices") or [])[1:]  # several choices in one chunk: one update each
+        if others:
+            more = [
+                update_from_openai_chunk({**data, "choices": [c]}, provider=provider)
+                for c in others
+            ]
+            props = {**(props or {}), "more_choices": more}
     return ChatResponseUpdate(
         role=role,
         contents=contents,

@@ -17,6 +17,7 @@ from chatroute.providers.mapping import (
     response_from_openai,
     update_from_openai_chunk,
 )
+from chatroute.providers.pass_through import passed_extras
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -46,12 +47,14 @@ def _error_event(
 class _Chunks:
     """Reads one chat-completions stream: `chat.completion.chunk` events, then `[DONE]`."""
 
-    __slots__ = ("client", "ended", "finished")
+    __slots__ = ("client", "done", "ended", "finished", "seen")
 
     def __init__(self, client: OpenAIChatClient) -> None:
         self.client = client
-        self.finished = False  # a finish reason or [DONE] arrived: the answer is complete
+        self.finished = False  # each choice's finish reason or [DONE] arrived: complete
         self.ended = False  # [DONE] arrived
+        self.seen: set[int] = set()  # the choices (n > 1) seen, and those finished
+        self.done: set[int] = set()
 
     def feed(self, event: str | None, data: str) -> ChatResponseUpdate | None:
         if data.strip() == "[DONE]":
@@ -63,8 +66,14 @@ class _Chunks:
         if payload.get("error") or event == "error":
             raise _error_event(payload, self.client.name, self.client._secrets)
         update = update_from_openai_chunk(payload, provider=self.client.name)
-        if update.finish_reason is not None:
-            self.finished = True
+        props = update.additional_properties or {}
+        for each in (update, *props.get("more_choices", ())):
+            index = (each.additional_properties or {}).get("choice_index", 0)
+            if each.contents or each.role is not None or each.finish_reason is not None:
+                self.seen.add(index)
+            if each.finish_reason is not None:
+                self.done.add(index)
+        self.finished = bool(self.done) and self.seen <= self.done
         return update
 
 
@@ -75,7 +84,8 @@ class OpenAIChatClient(HTTPChatClient):
     `HTTPChatClient`'s; this class translates. Requests carry `ChatOptions` as the OpenAI
     body (`chatroute.providers.mapping.build_request`): `model_id` overrides `model`,
     `max_output_tokens` is sent as `max_tokens_param`, `additional_properties` pass
-    through as extra body fields; streams ask for usage (`include_usage`). Responses name
+    through as extra body fields (the caller's unknown fields as `pass_through` allows:
+    "all", "none" or a set of names), then `extra_body`; streams ask for usage. Responses name
     the model the upstream reports in `model_id` and this client's `name` in
     `additional_properties["provider"]`. A stream is complete at a finish reason or
     `[DONE]`; an `{"error": ...}` payload in a 200 answer or stream is an
@@ -145,7 +155,11 @@ class OpenAIChatClient(HTTPChatClient):
             include_usage=self.include_usage,
             send_reasoning=self.send_reasoning,
             extra_body=self.extra_body,
+            pass_through=self.pass_through,
         )
+
+    def _ignored_params(self, options: ChatOptions | None) -> list[str]:
+        return passed_extras(options, self.pass_through)[1]
 
     def _read_answer(self, data: dict[str, Any]) -> ChatResponse:
         if data.get("error"):

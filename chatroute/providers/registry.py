@@ -96,5 +96,10 @@ def build_from_config(
         "extra_body": dict(settings.extra_body) or None,
         "context_window": settings.context_window,
         "default_query": dict(settings.query) or None,
+        "pass_through": (
+            frozenset(settings.pass_through)
+            if isinstance(settings.pass_through, list)
+            else settings.pass_through
+        ),
     }
     return provider_class(settings.type).from_config(settings, **common)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import numbers
@@ -298,7 +299,7 @@ class SemanticRoutingChatClient(RoutingChatClient):
         if messages is None:
             raise TypeError("messages must not be None")
         if self._policy is not None:
-            return (await self._policy.decide(self, [messages]))[0]
+            return self._named((await self._policy.decide(self, [messages]))[0])
         query = _last_user_text(messages)
         if query is None or _is_blank(query):
             return self._fallback()
@@ -361,7 +362,12 @@ class SemanticRoutingChatClient(RoutingChatClient):
         for position, messages in enumerate(items):
             if isinstance(messages, str) or not all(isinstance(m, ChatMessage) for m in messages):
                 raise TypeError(f"conversation {position} is not a sequence of ChatMessage")
-        return await self._context.decide(self, items)
+        return [self._named(decision) for decision in await self._context.decide(self, items)]
+
+    def _named(self, decision: RouteDecision) -> RouteDecision:
+        """`decision` naming this router's scoring mode (a policy builds it from scores)."""
+        name = self._scoring.name
+        return decision if decision.scoring == name else dataclasses.replace(decision, scoring=name)
 
     async def score_routes(
         self, texts: Sequence[str]

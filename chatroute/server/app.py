@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from chatroute import __version__
@@ -21,6 +22,14 @@ from chatroute.server.errors import Redactor
 from chatroute.server.guard import Admission, RequestGuard
 from chatroute.server.handlers import install_error_handlers
 from chatroute.server.metrics import ServiceMetrics
+from chatroute.server.observe import load_otel
+from chatroute.server.reload import (
+    Reloader,
+    ReloadMiddleware,
+    admin_key,
+    install_reload,
+    watch_sighup,
+)
 from chatroute.server.request_log import RequestLog
 from chatroute.server.routes import install_routes
 from chatroute.server.service import Service
@@ -31,6 +40,7 @@ from chatroute.tracing import TraceSink
 __all__ = ["ChatrouteApp", "Service", "create_app"]
 
 if TYPE_CHECKING:
+    from chatroute.otel import OTelLayer
     from chatroute.server.shared import SharedBreakerState
 
 logger = logging.getLogger("chatroute.server")
@@ -66,6 +76,8 @@ def create_app(
     environ: Mapping[str, str] | None = None,
     embedder: EmbeddingGenerator | None = None,
     trace_sink: TraceSink | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+    tracer_provider: object | None = None,
 ) -> FastAPI:
     """The service app for a config (built at start-up, owned by the app) or an engine
     (owned by you; build it on the event loop that serves the app).
@@ -77,6 +89,9 @@ def create_app(
     embedding generator of a config. `trace_sink`, when given, is called with the
     `RequestTrace` of every finished chat request (its route, attempts, status and
     whether the caller cut it short); it runs on the event loop and must not block.
+    `config_path`, the file the config came from, turns on live reload (SIGHUP, and
+    `POST /admin/reload` with the admin key). OpenTelemetry spans are recorded when the
+    `OTEL_*` environment asks for them, or on `tracer_provider` when given.
     """
     env = os.environ if environ is None else environ
     config = source.config if isinstance(source, Engine) else source
@@ -87,6 +102,9 @@ def create_app(
         api_keys = [key.strip() for key in raw.split(",") if key.strip()]
     keys = list(api_keys)
     metrics = ServiceMetrics()
+    otel = load_otel(env, tracer_provider)
+    if otel is not None:
+        trace_sink = otel.chain_sink(trace_sink)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,8 +115,15 @@ def create_app(
             engine = await asyncio.to_thread(build_engine, source, embedder=embedder, environ=env)
         redact = Redactor([*keys, *engine.secrets])
         service = Service(engine=engine, metrics=metrics, redact=redact, trace_sink=trace_sink)
-        detach = _attach_embedder_metrics(engine, metrics)
-        unwatch = metrics.watch_breakers(engine.breakers)
+        wiring = _Wiring(engine, metrics, otel)
+        service.on_decision = otel.on_decision if otel is not None else None
+        reloader = None
+        unhup = None
+        if config_path is not None:
+            reloader = Reloader(app, config_path, service, owned=owned, environ=env)
+            reloader.on_swap = wiring.swap
+            app.state.reloader = reloader
+            unhup = watch_sighup(reloader)
         thresholds = gc.get_threshold()
         shared: SharedBreakerState | None = None
         try:
@@ -144,18 +169,31 @@ def create_app(
             service.ready = True
             metrics.ready.set(1)
             app.state.service = service
+            logger.info(
+                "routing context %s; sticky sessions %s",
+                config.routing.context,
+                "off" if engine.sessions is None else type(engine.sessions).__name__,
+            )
             yield
         finally:
             service.ready = False
+            swapped_in: Service | None = app.state.service  # by a reload, if any
+            if swapped_in is not None:
+                swapped_in.ready = False
             metrics.ready.set(0)
             gc.set_threshold(*thresholds)
             if shared is not None:
                 await shared.aclose()
                 metrics.shared_state_up.set(0)
-            detach()
-            unwatch()
-            if owned:
+            wiring.undo()
+            if unhup is not None:
+                unhup()
+            if reloader is not None:
+                await reloader.aclose()
+            elif owned:
                 await engine.aclose()
+            if otel is not None:
+                otel.shutdown()
 
     app = ChatrouteApp(
         title="chatroute",
@@ -164,6 +202,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = None
+    app.state.reloader = None
     app.state.metrics = metrics
     install_error_handlers(app)
     install_routes(app)
@@ -174,7 +213,46 @@ def create_app(
         body_timeout=config.server.body_timeout,
     )
     app.add_middleware(RequestGuard, admission=admission)
+    if config_path is not None:
+        install_reload(app, admin_key(config, env))
+        app.add_middleware(ReloadMiddleware, reloader=lambda: app.state.reloader)
+    if otel is not None:
+        from chatroute.otel import OTelMiddleware
+
+        app.add_middleware(OTelMiddleware, layer=otel)
+    cors = config.server.cors
+    if cors is not None:  # outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, **cors.model_dump())
     return app
+
+
+class _Wiring:
+    """The engine's hooks into the metrics and the tracing layer, moved along by a reload."""
+
+    def __init__(self, engine: Engine, metrics: ServiceMetrics, otel: OTelLayer | None) -> None:
+        self.metrics = metrics
+        self.otel = otel
+        self._undo = self._wire(engine)
+
+    def _wire(self, engine: Engine) -> Callable[[], None]:
+        detach = _attach_embedder_metrics(engine, self.metrics)
+        unwatch = self.metrics.watch_breakers(engine.breakers)
+        if self.otel is not None:
+            types = {name: p.type for name, p in engine.config.providers.items()}
+            self.otel.describe_engine(types, engine.provider_models)
+
+        def undo() -> None:
+            detach()
+            unwatch()
+
+        return undo
+
+    def swap(self, old: Service, new: Service) -> None:
+        self._undo()
+        self._undo = self._wire(new.engine)
+
+    def undo(self) -> None:
+        self._undo()
 
 
 def _attach_embedder_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final
 
 import anyio
@@ -31,17 +31,22 @@ from chatroute.server.deadlines import (
 from chatroute.server.errors import error_from_exception
 from chatroute.server.guard import PARSED_BODY, is_json, parse_json
 from chatroute.server.handlers import error_response, validation_error
+from chatroute.server.options import (
+    ignored_headers,
+    overridden_headers,
+    stream_ignored_headers,
+)
 from chatroute.server.responses import RecordedResponse, SSEResponse, sse_body
 from chatroute.server.service import (
     AUTO_MODEL,
     CLIENT_CLOSED,
-    IGNORED_HEADER,
     Service,
     check_messages,
     decide,
     named_route,
     ready_service,
 )
+from chatroute.server.sessions import StickyHeaders, open_session
 from chatroute.server.wire import (
     ChatCompletionRequest,
     StreamEncoder,
@@ -59,7 +64,9 @@ logger = logging.getLogger("chatroute.server")
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions, routed by content (`model: auto`) or to a named route.
 
-    Unknown top-level fields are ignored (and named in `x-chatroute-ignored-params`).
+    Unknown top-level fields are passed on to the provider (as its `pass_through` allows);
+    what the answering provider dropped is named in `x-chatroute-ignored-params`, and what
+    the route's `override` forced in `x-chatroute-overridden`.
     `x-chatroute-timeout: <seconds>` shortens the request's deadline.
     """
     scope = request.scope
@@ -103,11 +110,10 @@ async def chat_completion(
     trace = start_trace(route_name)
     trace.stream = call.stream
     deadline = deadline_for(service, route_name, timeout, arrived)
-    extra = {}
-    ignored = call.ignored
-    if ignored:
-        logger.debug("ignoring unknown request fields: %s", ", ".join(ignored))
-        extra[IGNORED_HEADER] = _header_list(ignored)
+    extra: Mapping[str, str] = overridden_headers(service.config, route_name, options)
+    session = open_session(service.engine, scope, messages)
+    if session is not None:  # x-chatroute-sticky, once a provider has answered
+        extra = StickyHeaders(extra, session)
     if call.stream:
         return await _stream(
             service,
@@ -125,13 +131,6 @@ async def chat_completion(
     return await _complete(
         service, scope, receive, client, messages, options, trace, started, deadline, extra
     )
-
-
-def _header_list(names: Sequence[str], limit: int = 512) -> str:
-    """A comma-separated header value of printable names, cut to `limit` characters."""
-    clean = [n for n in names if n.isascii() and n.isprintable() and "," not in n]
-    text = ",".join(clean)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _headers(
@@ -180,10 +179,12 @@ async def _complete(
         return error_response(error, _headers(service, trace, extra_headers))
     body = completion_body(response, model=_served_model(service, trace))
     trace.committed = True
-    trace.usage = response.usage
+    trace.usage, trace.response_model = response.usage, response.model_id
+    headers = _headers(service, trace, extra_headers)
+    headers.update(ignored_headers(response.additional_properties))
     return RecordedResponse(
         body,
-        _headers(service, trace, extra_headers),
+        headers,
         lambda: service.finish(trace, 200, started),
     )
 
@@ -253,6 +254,7 @@ async def _stream(
                 "cache-control": "no-cache",
                 **service.route_headers(trace.route, trace),
                 **extra_headers,
+                **stream_ignored_headers(pending),
             },
             watch,
         )

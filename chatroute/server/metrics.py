@@ -142,6 +142,13 @@ class ServiceMetrics:
             ["direction"],
             registry=r,
         )
+        self.sticky_sessions = Counter(
+            "chatroute_sticky_sessions",
+            "Answered chat requests of a conversation, by route and whether the conversation "
+            "was new, kept its provider, switched route or failed over.",
+            ["route", "outcome"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "chatroute_cancelled_requests",
             "Chat requests cut short on the caller's side (disconnect or deadline), by route "

@@ -28,7 +28,6 @@ from chatroute.server.wire import (
     ClassifyRequest,
     ConversationInput,
     RouteRequest,
-    query_text,
     to_chat_messages,
 )
 
@@ -115,24 +114,29 @@ def install_routes(app: FastAPI) -> None:
             raise APIError(
                 400, f"inputs: at most {limit} inputs per request", param="inputs", code="too_many"
             )
-        queries = []
+        texts: list[str] = []
+        conversations: list[list[ChatMessage]] = []
         for position, item in enumerate(body.inputs):
             if isinstance(item, ConversationInput):
                 prefix = f"inputs[{position}].messages"
                 check_messages(service, item.messages)
-                queries.append(query_text(to_chat_messages(item.messages, prefix=prefix)))
+                conversations.append(to_chat_messages(item.messages, prefix=prefix))
             else:
                 check_length(service, len(item), f"inputs[{position}]")
-                queries.append(item)
-        try:
-            decisions = await service.engine.decide_batch(queries)
+                texts.append(item)
+                conversations.append([ChatMessage("user", item)])
+        engine = service.engine
+        try:  # one batch: texts alone, or every input as a conversation (its last turn)
+            if len(texts) == len(conversations):
+                decisions = await engine.decide_batch(texts)
+            else:
+                decisions = await engine.decide_conversations(conversations)
         except Exception as exc:
             raise routing_failure(service, exc)
-        engine = service.engine
         data = [{"index": i, **engine.describe(d)} for i, d in enumerate(decisions)]
         service.metrics.observe_decisions("classify", [(d["route"], d["is_default"]) for d in data])
-        note_inputs(len(queries))
-        service.metrics.classify_batch_size.observe(len(queries))
+        note_inputs(len(conversations))
+        service.metrics.classify_batch_size.observe(len(conversations))
         service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
         return JSONResponse({"object": "list", "data": data})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -18,6 +18,7 @@ from chatroute.server.errors import APIError, Redactor, error_from_exception
 from chatroute.server.metrics import ServiceMetrics
 from chatroute.server.request_log import note_decision, note_trace
 from chatroute.server.wire import WireMessage
+from chatroute.session.sticky import current_session
 from chatroute.tracing import RequestTrace, TraceSink, end_trace
 
 __all__ = [
@@ -55,6 +56,9 @@ class Service:
     ready: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     trace_sink: TraceSink | None = None
+    on_decision: Callable[[RouteDecision, str, int], None] | None = None
+    """Called with each routing decision, its route and when routing began (ns since the
+    epoch); set when tracing is on."""
 
     @property
     def config(self) -> ChatrouteConfig:
@@ -76,6 +80,9 @@ class Service:
         note_trace(trace)
         self.metrics.observe_trace(trace)
         self.metrics.observe_output(trace, started)
+        session = current_session()
+        if session is not None and session.outcome is not None and session.provider is not None:
+            self.metrics.labelled(self.metrics.sticky_sessions, route, session.outcome).inc()
         self.metrics.observe_cancellation(trace)
         self.metrics.observe_request(
             "chat_completions", route, status, time.perf_counter() - started
@@ -158,11 +165,15 @@ def routing_failure(service: Service, exc: Exception) -> APIError:
 async def decide(
     service: Service, messages: Sequence[ChatMessage], endpoint: str = "chat"
 ) -> RouteDecision:
+    hook = service.on_decision
+    began = time.time_ns() if hook is not None else 0
     try:
         decision = await service.engine.decide(messages)
     except Exception as exc:
         raise routing_failure(service, exc)
     name = service.engine.route_name(decision.client)
+    if hook is not None:
+        hook(decision, name, began)
     service.metrics.observe_decision(endpoint, name, decision.is_default)
     note_decision(name, decision.score, decision.is_default)
     return decision

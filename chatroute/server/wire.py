@@ -161,7 +161,8 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class ChatCompletionRequest(_Open):
-    """The body of `POST /v1/chat/completions`; unknown fields are accepted and ignored."""
+    """The body of `POST /v1/chat/completions`; unknown fields are kept for the providers
+    to pass on (each as its `pass_through` setting allows)."""
 
     model: str | None = None
     messages: list[WireMessage] = Field(min_length=1)
@@ -169,7 +170,7 @@ class ChatCompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
@@ -396,6 +397,15 @@ def to_chat_options(request: ChatCompletionRequest) -> ChatOptions:
         }
         if extra:
             options.additional_properties = extra
+    if request.max_completion_tokens is not None:  # sent on under the caller's name
+        options.additional_properties = {
+            **(options.additional_properties or {}),
+            "max_completion_tokens": request.max_completion_tokens,
+        }
+    unknown = request.__pydantic_extra__  # request.model_extra, without the property
+    if unknown:
+        options.additional_properties = {**unknown, **(options.additional_properties or {})}
+        options.pass_through_fields = frozenset(unknown)
     return options
 
 
@@ -459,7 +469,28 @@ def _tool_call(call: FunctionCallContent) -> dict[str, Any]:
 
 
 def completion_body(response: ChatResponse, *, model: str, created: int | None = None) -> bytes:
-    """The JSON body of a non-streamed chat completion."""
+    """The JSON body of a non-streamed chat completion (every choice, when `n` > 1)."""
+    props = response.additional_properties
+    choices = [_choice_body(response, 0)]
+    for index, other in enumerate((props or {}).get("more_choices", ()), 1):
+        choices.append(_choice_body(other, index))
+    body: dict[str, Any] = {
+        "id": response.response_id or _new_id(),
+        "object": "chat.completion",
+        "created": created or int(response.created_at or time.time()),
+        "model": response.model_id or model,
+        "choices": choices,
+    }
+    fingerprint = props.get("system_fingerprint") if props else None
+    if fingerprint:
+        body["system_fingerprint"] = fingerprint
+    if response.usage is not None:
+        body["usage"] = usage_body(response.usage)
+    return orjson.dumps(body)
+
+
+def _choice_body(response: ChatResponse, index: int) -> dict[str, Any]:
+    """One choice of a completion: the response's messages as one assistant message."""
     text: list[str] = []
     reasoning: list[str] = []
     refusal: list[str] = []
@@ -483,23 +514,11 @@ def completion_body(response: ChatResponse, *, model: str, created: int | None =
     if calls:
         message_body["tool_calls"] = calls
     finish = _finish(response.finish_reason) or ("tool_calls" if calls else "stop")
-    choice: dict[str, Any] = {"index": 0, "message": message_body, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": index, "message": message_body, "finish_reason": finish}
     props = response.additional_properties
     if props and props.get("logprobs") is not None:
         choice["logprobs"] = props["logprobs"]
-    body: dict[str, Any] = {
-        "id": response.response_id or _new_id(),
-        "object": "chat.completion",
-        "created": created or int(response.created_at or time.time()),
-        "model": response.model_id or model,
-        "choices": [choice],
-    }
-    fingerprint = props.get("system_fingerprint") if props else None
-    if fingerprint:
-        body["system_fingerprint"] = fingerprint
-    if response.usage is not None:
-        body["usage"] = usage_body(response.usage)
-    return orjson.dumps(body)
+    return choice
 
 
 def _new_id() -> str:
@@ -522,8 +541,8 @@ class StreamEncoder:
         self.created = int(time.time())
         self.response_id: str | None = None
         self.usage: UsageDetails | None = None
-        self._role_sent = False
-        self._tool_indices: dict[str, int] = {}
+        self._role_sent: set[int] = set()  # the choices (n > 1) whose role went out
+        self._tool_indices: dict[tuple[int, str], int] = {}
 
     def _chunk(self, choices: list[dict[str, Any]], model: str | None) -> dict[str, Any]:
         if self.response_id is None:
@@ -536,16 +555,23 @@ class StreamEncoder:
             "choices": choices,
         }
 
-    def _tool_index(self, call: FunctionCallContent) -> int:
+    def _tool_index(self, call: FunctionCallContent, choice: int) -> int:
         if call.index is not None:
             return call.index
-        key = call.call_id or ""
+        key = (choice, call.call_id or "")
         if key not in self._tool_indices:
-            self._tool_indices[key] = len(self._tool_indices)
+            self._tool_indices[key] = sum(1 for c, _ in self._tool_indices if c == choice)
         return self._tool_indices[key]
 
     def encode(self, update: ChatResponseUpdate) -> bytes:
         """The SSE event(s) for one update (empty bytes when it carries nothing to send)."""
+        props = update.additional_properties
+        out = self._encode(update, props.get("choice_index", 0) if props else 0)
+        for other in props.get("more_choices", ()) if props else ():
+            out += self.encode(other)
+        return out
+
+    def _encode(self, update: ChatResponseUpdate, index: int) -> bytes:
         if self.response_id is None and update.response_id:
             self.response_id = update.response_id
         if update.model_id:
@@ -562,7 +588,7 @@ class StreamEncoder:
             elif isinstance(content, TextReasoningContent):
                 reasoning.append(content.text)
             elif isinstance(content, FunctionCallContent):
-                call: dict[str, Any] = {"index": self._tool_index(content)}
+                call: dict[str, Any] = {"index": self._tool_index(content, index)}
                 if content.call_id is not None:
                     call["id"] = content.call_id
                     call["type"] = "function"
@@ -586,14 +612,14 @@ class StreamEncoder:
                 delta["refusal"] = refusal
             logprobs = props.get("logprobs")
         finish = _finish(update.finish_reason)
-        if not self._role_sent:
+        if index not in self._role_sent:
             if not delta and finish is None:
                 return b""
             delta = {"role": "assistant", **delta}
-            self._role_sent = True
+            self._role_sent.add(index)
         elif not delta and finish is None:
             return b""
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         chunk = self._chunk([choice], update.model_id)
         if logprobs is not None:
             choice["logprobs"] = logprobs
