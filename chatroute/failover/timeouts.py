@@ -57,18 +57,13 @@ async def within(call: Callable[[], Awaitable[T]], limit: float | None, *, name:
     When the limit expires the call is cancelled and `ProviderTimeoutError` (kind TIMEOUT)
     is raised, the task left not cancelling; a cancellation of the caller passes through.
     """
-    if limit is None:
-        return await call()
-    timer = asyncio.timeout(limit)
-    try:
-        async with timer:
-            return await call()
-    except (Exception, asyncio.CancelledError) as exc:
-        if timer.expired() and not is_cancelling():
-            raise ProviderTimeoutError(
-                f"no answer within the attempt timeout of {limit:g} s", provider=name
-            ) from exc
-        raise
+    return await _bounded(
+        call,
+        limit,
+        lambda: ProviderTimeoutError(
+            f"no answer within the attempt timeout of {limit:g} s", provider=name
+        ),
+    )
 
 
 async def head_within(
@@ -80,6 +75,20 @@ async def head_within(
     When the limit expires the call is cancelled and `FirstTokenTimeoutError` raised, the
     task left not cancelling; a cancellation of the caller passes through.
     """
+    return await _bounded(
+        call,
+        limit,
+        lambda: FirstTokenTimeoutError(
+            f"no answer began within the first-token limit of {limit:g} s", provider=name
+        ),
+    )
+
+
+async def _bounded(
+    call: Callable[[], Awaitable[T]], limit: float | None, expired: Callable[[], Exception]
+) -> T:
+    """`await call()` within `limit` seconds, raising `expired()` when the limit (and not a
+    cancellation of the caller) ended it."""
     if limit is None:
         return await call()
     timer = asyncio.timeout(limit)
@@ -88,9 +97,7 @@ async def head_within(
             return await call()
     except (Exception, asyncio.CancelledError) as exc:
         if timer.expired() and not is_cancelling():
-            raise FirstTokenTimeoutError(
-                f"no answer began within the first-token limit of {limit:g} s", provider=name
-            ) from exc
+            raise expired() from exc
         raise
 
 
