@@ -127,27 +127,26 @@ class Engine:
         """Decisions for many query texts, as one embedding batch and one search.
 
         A query that carries the conversation it ends (a `messages` attribute, as bulk
-        classification's messages rows do) is decided in that conversation by a semantic
-        router's context policy, the others as plain texts.
+        classification's messages rows do) is decided in that conversation, as
+        `decide_conversations` decides it; the others as plain texts.
         """
-        router = self.router
         talks = [
             position
             for position, query in enumerate(queries)
             if getattr(query, "messages", None) is not None
         ]
-        if not talks or not isinstance(router, SemanticRoutingChatClient):
-            return await router.route_batch(queries)
+        if not talks:
+            return await self.router.route_batch(queries)
         in_talk = set(talks)
         plain = [position for position in range(len(queries)) if position not in in_talk]
         decisions: list[RouteDecision | None] = [None] * len(queries)
-        found = await router.route_conversations(
+        found = await self.decide_conversations(
             [getattr(queries[position], "messages") for position in talks]  # noqa: B009
         )
         for position, decision in zip(talks, found, strict=True):
             decisions[position] = decision
         if plain:
-            found = await router.route_batch([queries[position] for position in plain])
+            found = await self.router.route_batch([queries[position] for position in plain])
             for position, decision in zip(plain, found, strict=True):
                 decisions[position] = decision
         return [decision for decision in decisions if decision is not None]
