@@ -19,10 +19,11 @@ so the in-scope top-1 accuracy is the ceiling of the in-scope accuracy.
 
 Out-of-scope score. `calibrate` fits thresholds once for each out-of-scope score the
 router's scoring mode offers (`ScoringMode.oos_scores`: for "prototype" the winner's
-centroid cosine, its prototype cosine and the nearest profile's cosine; for "knn" the
-winner's score and the nearest profile's cosine; "top_k" has only its aggregate), on one
-embedding of the examples, and keeps the one whose fit scores best on the fit's own
-objective (the weighted accuracy; the mode's default wins ties). The result names it
+prototype cosine, its centroid cosine, the nearest profile's cosine and the mean of the
+three, "blend"; for "knn" the winner's score and the nearest profile's cosine; "top_k"
+has only its aggregate), on one embedding of the examples, and keeps the one whose fit
+scores best on the fit's own objective (the weighted accuracy; the mode's default wins
+ties). The result names it
 (`oos_score`, and `scoring`: the router's mode gating on it) and the report gives every
 candidate's objective.
 """

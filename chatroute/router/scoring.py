@@ -96,11 +96,18 @@ class ScoringMode(ABC):
         winners: Int64Array,
         nearest: Float32Array,
         oos_score: str,
+        nearest_ids: Int64Array | None = None,
     ) -> Float32Array:
-        """The out-of-scope score of each row: `nearest` is its best profile cosine."""
+        """The out-of-scope score of each row.
+
+        `nearest` is each row's best profile cosine as the index found it, `nearest_ids`
+        (when known) that profile's row in the index.
+        """
         if oos_score == "nearest":
             return nearest
-        return scores[np.arange(scores.shape[0]), winners]
+        rows = 0 if winners.shape[0] == 1 else np.arange(scores.shape[0])
+        gated: Float32Array = scores[rows, winners]
+        return gated
 
     def __repr__(self) -> str:
         items = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
@@ -195,12 +202,12 @@ class PrototypeScoring(ScoringMode):
 
     Out-of-scope scores: "prototype" (the winner's score, the default, so that a
     decision's `score` is its winner's entry in `scores`), "centroid" (the query's cosine
-    to the winner's centroid; best on CLINC150's validation split) or "nearest" (the best
-    profile cosine).
+    to the winner's centroid), "nearest" (the best profile cosine) or "blend" (the mean of
+    those three cosines; the best fit on CLINC150's validation split).
     """
 
     name = "prototype"
-    oos_scores = ("prototype", "centroid", "nearest")
+    oos_scores = ("prototype", "centroid", "nearest", "blend")
     trains = True
 
     def __init__(
@@ -263,10 +270,14 @@ class PrototypeScoring(ScoringMode):
         return (
             np.ascontiguousarray(prototypes.T, dtype=np.float64),
             np.ascontiguousarray(centroids, dtype=np.float64),
+            index.vectors,
         )
 
     def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
-        prototypes_t, _ = state
+        prototypes_t = state[0]
+        if queries.shape[0] == 1:  # one query: a float64 matrix-vector product
+            row: Float32Array = np.dot(queries[0], prototypes_t).astype(np.float32)
+            return row[None, :]
         scores: Float32Array = (queries.astype(np.float64) @ prototypes_t).astype(np.float32)
         return scores
 
@@ -278,13 +289,36 @@ class PrototypeScoring(ScoringMode):
         winners: Int64Array,
         nearest: Float32Array,
         oos_score: str,
+        nearest_ids: Int64Array | None = None,
     ) -> Float32Array:
-        if oos_score == "centroid":
-            _, centroids = state
-            gated = np.einsum("ij,ij->i", queries.astype(np.float64), centroids[winners])
-            result: Float32Array = gated.astype(np.float32)
-            return result
-        return super().gate(state, queries, scores, winners, nearest, oos_score)
+        if oos_score == "prototype" or (oos_score == "nearest" and nearest_ids is None):
+            return super().gate(state, queries, scores, winners, nearest, oos_score)
+        _, centroids, vectors = state
+        # Cosines to the winner's centroid and the nearest profile are recomputed here in
+        # float64 (the index's own float32 scores may differ in their last bit between a
+        # batch and a single query), so that a query's score does not depend on its batch.
+        if winners.shape[0] == 1:  # one query: float64 products and sums, without the arrays
+            column = int(winners[0])
+            query = queries[0]
+            if oos_score == "nearest":
+                value = _cosine(vectors, nearest_ids, query, nearest)
+            else:
+                value = float(np.dot(centroids[column], query))
+            if oos_score == "blend":
+                value += float(scores[0, column])
+                value += _cosine(vectors, nearest_ids, query, nearest)
+                value /= 3.0
+            return np.array([value], dtype=np.float32)
+        wide = queries.astype(np.float64)
+        if oos_score == "nearest":
+            return _cosines(vectors, nearest_ids, wide, nearest).astype(np.float32)
+        cosines = np.einsum("ij,ij->i", wide, centroids[winners])
+        if oos_score == "blend":  # the mean of the three cosines, summed in float64
+            cosines += scores[np.arange(scores.shape[0]), winners]
+            cosines += _cosines(vectors, nearest_ids, wide, nearest)
+            cosines /= 3.0
+        result: Float32Array = cosines.astype(np.float32)
+        return result
 
 
 SCORING_MODES: Mapping[str, type[ScoringMode]] = {
@@ -311,11 +345,52 @@ def make_scoring(spec: str | ScoringMode, *, oos_score: str | None = None) -> Sc
     return kind(oos_score=oos_score)
 
 
-def pick_winners(scores: Float32Array) -> Int64Array:
-    """Each row's best column; scores within `TIE_TOLERANCE` of the best go to the lowest."""
+def pick_winners(scores: Float32Array, ranked: Int64Array | None = None) -> Int64Array:
+    """Each row's best column; scores within `TIE_TOLERANCE` of the best go to the lowest.
+
+    `ranked`, when given, holds at least each row's two best columns, best first (as a
+    stable descending sort gives them): a row whose runner-up is not within the tolerance
+    of its best is won by its best column without another pass over the row.
+    """
+    rows = scores.shape[0]
+    if ranked is not None and ranked.shape[1] >= 2:
+        if rows == 1:  # the latency path: two scalar reads instead of four array passes
+            best, runner = float(scores[0, ranked[0, 0]]), float(scores[0, ranked[0, 1]])
+            if runner < best - TIE_TOLERANCE:
+                lead: Int64Array = ranked[:, 0]
+                return lead
+        else:
+            lead = ranked[:, 0].copy()
+            every = np.arange(rows)
+            near = scores[every, ranked[:, 1]] >= scores[every, lead] - TIE_TOLERANCE
+            if near.any():
+                lead[near] = pick_winners(scores[near])
+            return lead
     best = scores.max(axis=1, keepdims=True)
-    winners: Int64Array = np.argmax(scores >= best - TIE_TOLERANCE, axis=1)
+    best -= TIE_TOLERANCE
+    winners: Int64Array = np.argmax(scores >= best, axis=1)
     return winners
+
+
+def _cosine(
+    vectors: Float32Array, ids: Int64Array | None, query: Float32Array, found: Any
+) -> float:
+    """One query's float64 cosine to profile row `ids[0]` (`found[0]` without ids)."""
+    if ids is None:
+        return float(found[0])
+    return float(np.dot(vectors[int(ids[0])].astype(np.float64), query))
+
+
+def _cosines(
+    vectors: Float32Array, ids: Int64Array | None, queries: npt.NDArray[np.float64], found: Any
+) -> npt.NDArray[np.float64]:
+    """Each float64 query row's cosine to its profile row `ids[i]` (`found` without ids)."""
+    if ids is None:
+        return np.asarray(found, dtype=np.float64)
+    cosines: npt.NDArray[np.float64] = np.einsum(
+        "ij,ij->i", queries, vectors[ids].astype(np.float64)
+    )
+    return cosines
 
 
 # -- training -----------------------------------------------------------------------------

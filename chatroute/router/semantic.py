@@ -495,11 +495,11 @@ class SemanticRoutingChatClient(RoutingChatClient):
         mode = self._scoring
         match_scores, match_ids = index.search(queries, k, normalized=True)
         scores = mode.route_scores(self._state, queries)
-        winners = pick_winners(scores)
-        gated = mode.gate(self._state, queries, scores, winners, match_scores[:, 0], gate)
         columns = scores.shape[1]
         shown = min(columns, max(self._top_k, _REPORTED_ROUTES))
-        if columns <= 256:  # a full sort of a short row beats partitioning it
+        if scores.shape[0] == 1 and columns <= 256:  # one query: a 1-D sort is cheaper
+            top = np.argsort(-scores[0], kind="stable")[None, :shown]
+        elif columns <= 256:  # a full sort of a short row beats partitioning it
             top = np.argsort(-scores, axis=1, kind="stable")[:, :shown]
         elif shown < columns:
             top = np.argpartition(-scores, shown - 1, axis=1)[:, :shown]
@@ -507,6 +507,10 @@ class SemanticRoutingChatClient(RoutingChatClient):
             top = np.take_along_axis(top, order, axis=1)
         else:
             top = np.argsort(-scores, axis=1, kind="stable")
+        winners = pick_winners(scores, top)
+        gated = mode.gate(
+            self._state, queries, scores, winners, match_scores[:, 0], gate, match_ids[:, 0]
+        )
         return (
             match_scores.tolist(),
             match_ids.tolist(),
