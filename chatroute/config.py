@@ -179,7 +179,9 @@ class RoutingConfig(_Strict):
     context: Literal["conversation", "last_user"] = "conversation"
     conversation: ConversationConfig = ConversationConfig()
     scoring: Literal["prototype", "knn", "top_k"] = "prototype"
-    oos_score: Literal["centroid", "prototype", "nearest", "route", "aggregate"] | None = None
+    oos_score: Literal["blend", "centroid", "prototype", "nearest", "route", "aggregate"] | None = (
+        None
+    )
     top_k: int = Field(default=5, ge=1)
     aggregation: Literal["mean", "sum", "max"] = "mean"
     threshold: float = Field(default=0.3, allow_inf_nan=False)

@@ -220,7 +220,7 @@ def test_fit_writes_thresholds_the_config_can_use(config_file: Path, tmp_path: P
     assert set(document["thresholds"]) <= {"code", "math", "general"}
     assert document["thresholds"] and document["report"]["after"]["examples"] == 7
     assert document["scoring"] == "prototype"
-    assert document["oos_score"] in ("prototype", "centroid", "nearest")
+    assert document["oos_score"] in ("prototype", "centroid", "nearest", "blend")
     # The config picks the file up: routing then uses the fitted per-route thresholds.
     config = yaml.safe_load(config_file.read_text())
     config["routing"]["thresholds_file"] = "thresholds.json"
