@@ -1,6 +1,6 @@
 """CLINC150 routing benchmark: accuracy, route_batch throughput, latency, aurelio side by side.
 
-It also compares the scoring modes (top_k, knn, prototype): accuracy with thresholds fitted
+It also compares the scoring modes (top_k, knn, prototype, adapter): accuracy with thresholds fitted
 only on val + oos_val, the extra time per decision over the contract rule at batch 1 and
 1,024, training time, and the training time and peak memory at 1,000 routes x 100
 utterances (synthetic vectors).
@@ -50,12 +50,12 @@ from chatroute import (
     ChatRole,
     EmbeddingGenerator,
     ProfileIndex,
-    PrototypeScoring,
     ScoreAggregation,
     SemanticRoutingChatClient,
     SentenceTransformerEmbedder,
     calibrate,
     evaluate_decisions,
+    make_scoring,
 )
 
 PROFILE_SIZE = 20
@@ -198,7 +198,7 @@ async def chatroute_side(
     await embedder.aclose()
 
 
-MODES = ("top_k", "knn", "prototype")
+MODES = ("top_k", "knn", "prototype", "adapter")
 
 
 async def per_decision_us(
@@ -337,11 +337,13 @@ async def scoring_modes(
         row["extra_us_1024"] = row["us_1024"] - base["us_1024"]
         row["extra_cpu_us_1024"] = row["cpu_us_1024"] - base["cpu_us_1024"]
     out["modes"] = rows
-    out["modes_scaling"] = scaling_row()
+    out["modes_scaling"] = {mode: scaling_row(mode) for mode in ("prototype", "adapter")}
 
 
-def scaling_row(routes: int = 1000, per_route: int = 100, dimension: int = 384) -> dict[str, float]:
-    """Train the prototype head on synthetic clustered unit vectors: seconds, peak MiB."""
+def scaling_row(
+    mode: str, routes: int = 1000, per_route: int = 100, dimension: int = 384
+) -> dict[str, float]:
+    """Train `mode`'s head on synthetic clustered unit vectors: seconds, peak MiB."""
     rng = np.random.default_rng(3)
     centres = rng.standard_normal((routes, dimension)).astype(np.float32)
     noise = rng.standard_normal((routes * per_route, dimension)).astype(np.float32)
@@ -352,7 +354,7 @@ def scaling_row(routes: int = 1000, per_route: int = 100, dimension: int = 384) 
     gc.collect()
     tracemalloc.start()
     t0, c0 = time.perf_counter(), time.process_time()
-    trained = index.trained(PrototypeScoring(), groups)
+    trained = index.trained(make_scoring(mode), groups)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -550,13 +552,13 @@ def report_modes(args: argparse.Namespace, out: dict[str, Any]) -> str:
             ],
         ),
     ]
-    sc = out["modes_scaling"]
-    lines += [
-        "",
-        f"Scaling: `prototype` training on 1,000 routes x 100 utterances ({sc['rows']:,} "
-        f"synthetic 384-d vectors): {sc['train_s']:.1f} s ({sc['cpu_s']:.1f} s CPU), peak traced memory "
-        f"{sc['peak_mib']:.0f} MiB.",
-    ]
+    for mode, sc in out["modes_scaling"].items():
+        lines += [
+            "",
+            f"Scaling: `{mode}` training on 1,000 routes x 100 utterances ({sc['rows']:,} "
+            f"synthetic 384-d vectors): {sc['train_s']:.1f} s ({sc['cpu_s']:.1f} s CPU), "
+            f"peak traced memory {sc['peak_mib']:.0f} MiB.",
+        ]
     if "sr_acc" in out:
         sr = out["sr_acc"]
         lines += [

@@ -77,7 +77,7 @@ def test_unknown_scoring_names_list_the_valid_ones() -> None:
         make_scoring(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'prototype', 'centroid', 'nearest'"):
         PrototypeScoring(oos_score="aggregate")
-    assert set(SCORING_MODES) == {"top_k", "knn", "prototype"}
+    assert set(SCORING_MODES) == {"top_k", "knn", "prototype", "adapter"}
     # The config's literal lists exactly the registered modes.
     literal = RoutingConfig.model_fields["scoring"].annotation
     assert set(literal.__args__) == set(SCORING_MODES)  # type: ignore[union-attr]

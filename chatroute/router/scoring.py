@@ -7,6 +7,8 @@ A mode is one class behind `ScoringMode`, registered by name in `SCORING_MODES`:
 - `KnnScoring` ("knn"): a softmax-weighted vote of every profile, per route; no training.
 - `PrototypeScoring` ("prototype"): one learned unit vector per route, trained as a cosine
   classifier on the profile vectors when the index is built.
+- `AdapterScoring` ("adapter"): a linear map of the embeddings trained with a supervised
+  contrastive loss when the index is built, then one centroid per route in its space.
 
 Every mode scores on a cosine-like scale in [-1, 1]. The score a winner's threshold is
 compared with is the mode's "out-of-scope score" (`oos_score`), one of `oos_scores`;
@@ -27,6 +29,7 @@ from chatroute.index import ProfileIndex, TrainedHead
 
 __all__ = [
     "SCORING_MODES",
+    "AdapterScoring",
     "KnnScoring",
     "PrototypeScoring",
     "ScoringMode",
@@ -321,10 +324,129 @@ class PrototypeScoring(ScoringMode):
         return result
 
 
+class AdapterScoring(ScoringMode):
+    """A linear adapter on the frozen embeddings, then one centroid per route in its space.
+
+    Training (when the profile index is built): a d x d matrix W starts at the identity,
+    then `steps` Adam steps (`learning_rate`) minimise a supervised contrastive loss with
+    temperature `temperature` over seeded minibatches of `batch_size` profile vectors:
+    each adapted, normalised vector is pulled toward the other utterances of its route and
+    pushed away from the rest. A route's centroid is the normalised mean of its adapted,
+    normalised utterances; a route scores the cosine between the adapted query and its
+    centroid. The result is the same on every rerun (fixed seed, no other randomness).
+    With a single route W stays the identity; routes with identical utterance sets get
+    identical centroids (their tie goes to the route listed first).
+
+    Defaults (temperature 0.05, 60 steps of 1,024 vectors, learning rate 0.001) were chosen
+    on CLINC150's validation split only, for the balanced accuracy after `calibrate()`.
+
+    Out-of-scope scores: "route" (the winner's score, the default) or "nearest" (the best
+    profile cosine, in the embedding space).
+    """
+
+    name = "adapter"
+    oos_scores = ("route", "nearest")
+    trains = True
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 0.05,
+        steps: int = 60,
+        learning_rate: float = 0.001,
+        batch_size: int = 1024,
+        seed: int = 0,
+        oos_score: str | None = None,
+    ) -> None:
+        super().__init__(oos_score=oos_score)
+        self.temperature = _positive(temperature, "temperature")
+        self.learning_rate = _positive(learning_rate, "learning_rate")
+        self.steps = _count(steps, "steps", minimum=0)
+        self.batch_size = _count(batch_size, "batch_size", minimum=2)
+        self.seed = _count(seed, "seed", minimum=0)
+
+    def training_settings(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "steps": self.steps,
+            "learning_rate": self.learning_rate,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
+
+    def train(self, vectors: Float32Array, groups: Int64Array, key: str) -> TrainedHead:
+        routes = int(groups.max()) + 1
+        adapter = _train_adapter(
+            vectors,
+            groups,
+            temperature=self.temperature,
+            steps=self.steps if routes > 1 else 0,
+            learning_rate=self.learning_rate,
+            batch_size=self.batch_size,
+            seed=self.seed,
+        )
+        adapted = np.empty_like(vectors)
+        for start in range(0, vectors.shape[0], 8192):
+            adapted[start : start + 8192] = _unit_rows(vectors[start : start + 8192] @ adapter)
+        centroids = _centroids(adapted, groups, routes)
+        _tie_identical_routes(centroids, vectors, groups, routes)
+        return TrainedHead(
+            self.name, self.training_settings(), key, {"adapter": adapter, "centroids": centroids}
+        )
+
+    def prepare(self, index: ProfileIndex, groups: Int64Array, routes: int) -> Any:
+        head = index.head
+        if head is None or head.mode != self.name:
+            raise ValueError("the adapter scoring mode needs a trained head on the index")
+        adapter, centroids = head.arrays["adapter"], head.arrays["centroids"]
+        dimension = index.dimension
+        if adapter.shape != (dimension, dimension) or centroids.shape != (routes, dimension):
+            raise ValueError(
+                f"the adapter head has shapes {adapter.shape} and {centroids.shape}, "
+                f"the index needs ({dimension}, {dimension}) and ({routes}, {dimension})"
+            )
+        return (
+            np.ascontiguousarray(adapter, dtype=np.float64),
+            np.ascontiguousarray(centroids.T, dtype=np.float64),
+            index.vectors,
+        )
+
+    def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
+        adapter, centroids_t, _ = state
+        if queries.shape[0] == 1:  # one query: float64 matrix-vector products
+            adapted = np.dot(queries[0], adapter)[None, :]
+        else:
+            adapted = queries.astype(np.float64) @ adapter
+        norms = np.sqrt(np.einsum("ij,ij->i", adapted, adapted))
+        adapted /= np.where(norms > 0.0, norms, 1.0)[:, None]  # a zero row scores 0
+        scores: Float32Array = (adapted @ centroids_t).astype(np.float32)
+        return scores
+
+    def gate(
+        self,
+        state: Any,
+        queries: Float32Array,
+        scores: Float32Array,
+        winners: Int64Array,
+        nearest: Float32Array,
+        oos_score: str,
+        nearest_ids: Int64Array | None = None,
+    ) -> Float32Array:
+        if oos_score == "nearest" and nearest_ids is not None:  # in float64, as the scores
+            vectors = state[2]
+            if winners.shape[0] == 1:
+                value = _cosine(vectors, nearest_ids, queries[0], nearest)
+                return np.array([value], dtype=np.float32)
+            wide = queries.astype(np.float64)
+            return _cosines(vectors, nearest_ids, wide, nearest).astype(np.float32)
+        return super().gate(state, queries, scores, winners, nearest, oos_score)
+
+
 SCORING_MODES: Mapping[str, type[ScoringMode]] = {
     TopKScoring.name: TopKScoring,
     KnnScoring.name: KnnScoring,
     PrototypeScoring.name: PrototypeScoring,
+    AdapterScoring.name: AdapterScoring,
 }
 
 
@@ -459,6 +581,71 @@ def _train_cosine_classifier(
     out[bad] = init[bad]  # never a NaN prototype: such a route keeps its centroid
     out[frozen] = init[frozen]
     return out
+
+
+def _unit_rows(rows: Float32Array) -> Float32Array:
+    """`rows` scaled to unit length (a zero row stays zero)."""
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    unit: Float32Array = (rows / np.where(norms > 0.0, norms, 1.0)).astype(np.float32)
+    return unit
+
+
+def _train_adapter(
+    vectors: Float32Array,
+    groups: Int64Array,
+    *,
+    temperature: float,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+) -> Float32Array:
+    """A (d, d) map trained with a supervised contrastive loss, from the identity."""
+    dimension = vectors.shape[1]
+    weights = np.eye(dimension, dtype=np.float32)
+    if steps == 0:
+        return weights
+    first_moment = np.zeros_like(weights)
+    second_moment = np.zeros_like(weights)
+    beta1, beta2, scale = 0.9, 0.999, np.float32(1.0 / temperature)
+    rng = np.random.default_rng(seed)
+    rows = vectors.shape[0]
+    for step in range(1, steps + 1):
+        if rows > batch_size:
+            pick = np.sort(rng.choice(rows, batch_size, replace=False))
+            batch, labels = vectors[pick], groups[pick]
+        else:
+            batch, labels = vectors, groups
+        adapted = batch @ weights
+        norms = np.linalg.norm(adapted, axis=1, keepdims=True)
+        norms = np.maximum(norms, np.float32(1e-12))
+        unit = adapted / norms
+        logits = (unit @ unit.T) * scale
+        np.fill_diagonal(logits, -np.inf)  # an anchor is not its own candidate
+        logits -= logits.max(axis=1, keepdims=True)
+        probabilities = np.exp(logits)
+        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        positive = labels[:, None] == labels[None, :]
+        np.fill_diagonal(positive, False)
+        counts = positive.sum(axis=1)
+        anchors = int((counts > 0).sum())  # a lone utterance in the batch has no positive
+        if anchors == 0:
+            continue
+        # d(loss)/d(logits) per anchor: softmax minus the positives' uniform target.
+        grad_logits = probabilities - positive / np.maximum(counts, 1)[:, None]
+        grad_logits[counts == 0] = 0.0
+        grad_logits *= scale / anchors
+        grad_unit = (grad_logits + grad_logits.T) @ unit
+        grad_adapted = (grad_unit - unit * np.einsum("ij,ij->i", grad_unit, unit)[:, None]) / norms
+        grad = batch.T @ grad_adapted
+        first_moment = beta1 * first_moment + (1.0 - beta1) * grad
+        second_moment = beta2 * second_moment + (1.0 - beta2) * grad * grad
+        corrected = first_moment / (1.0 - beta1**step)
+        spread = np.sqrt(second_moment / (1.0 - beta2**step)) + 1e-8
+        weights -= (learning_rate * corrected / spread).astype(np.float32)
+    if not np.isfinite(weights).all():  # never a NaN score: fall back to the identity
+        return np.eye(dimension, dtype=np.float32)
+    return weights
 
 
 def _tie_identical_routes(
