@@ -166,8 +166,10 @@ class RoutingConfig(_Strict):
     utterances), how it scores routes, and where unmatched requests go.
 
     `scoring` picks the scoring mode: "prototype" (one learned vector per route, trained
-    when the profile index is built), "knn" (a softmax-weighted vote of every utterance)
-    or "top_k" (the global top-K hits aggregated by `aggregation`). `oos_score` is the
+    when the profile index is built), "adapter" (a learned linear map of the embeddings
+    and one centroid per route in its space, also trained then), "knn" (a
+    softmax-weighted vote of every utterance) or "top_k" (the global top-K hits
+    aggregated by `aggregation`). `oos_score` is the
     score a winner's threshold is compared with (None: the mode's default; `chatroute
     fit` reports the one that fits best). With a mode other than "top_k", `top_k` only
     sets how many nearest utterances an answer lists. `context` picks what a decision
@@ -178,7 +180,7 @@ class RoutingConfig(_Strict):
     policy: Name = "semantic"
     context: Literal["conversation", "last_user"] = "conversation"
     conversation: ConversationConfig = ConversationConfig()
-    scoring: Literal["prototype", "knn", "top_k"] = "prototype"
+    scoring: Literal["prototype", "knn", "top_k", "adapter"] = "prototype"
     oos_score: Literal["blend", "centroid", "prototype", "nearest", "route", "aggregate"] | None = (
         None
     )
