@@ -71,6 +71,7 @@ from chatroute.index import (
 )
 from chatroute.router import (
     SCORING_MODES,
+    AdapterScoring,
     CalibrationMetrics,
     CalibrationReport,
     CalibrationResult,
@@ -137,6 +138,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "SCORING_MODES",
+    "AdapterScoring",
     "AnthropicChatClient",
     "BreakerSettings",
     "BreakerSnapshot",

@@ -25,6 +25,7 @@ from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregatio
 from chatroute.router.policy import Router
 from chatroute.router.scoring import (
     SCORING_MODES,
+    AdapterScoring,
     KnnScoring,
     PrototypeScoring,
     ScoringMode,
@@ -35,6 +36,7 @@ from chatroute.router.semantic import SemanticRoutingChatClient
 
 __all__ = [
     "SCORING_MODES",
+    "AdapterScoring",
     "CalibrationMetrics",
     "CalibrationReport",
     "CalibrationResult",
