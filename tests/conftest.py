@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-# Under `pytest -n N` the workers share the machine's cores: one torch (OpenMP) thread per
-# worker, and per process the tests start, instead of threads that wait on each other for a
-# core. Set before torch is first imported (it reads this then).
+# Under `pytest -n N` the workers share the machine's cores: each worker, and each process
+# its tests start (a CLI, a Ray actor), runs torch on one thread, so that the workers' threads
+# do not spin waiting for a core. Set before torch is first imported (it reads it then).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
