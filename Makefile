@@ -34,8 +34,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# pytest keeps the test modules it has rewritten (for its assert messages) as bytecode
+# under __pycache__/, unless PYTHONDONTWRITEBYTECODE is set: then each of its worker
+# processes rewrites them all again on every run (seconds of CPU each).
 test: $(STAMP) test-deps lint typecheck
-	$(BIN)/python -m pytest -q
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
 
 # The tests start real redis-server processes (the breaker state replicas share): the
 # Debian package is installed when the binary is missing.

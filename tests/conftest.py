@@ -14,6 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+# Under `pytest -n N` the workers share the machine's cores: each worker, and each process
+# its tests start (a CLI, a Ray actor), runs torch on one thread, so that the workers' threads
+# do not spin waiting for a core. Set before torch is first imported (it reads it then).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from chatroute.chat import EmbeddingFingerprint, EmbeddingGenerator
 
 # The tests' upstreams listen on 127.0.0.1: a proxy set in the environment of the machine
@@ -38,6 +44,33 @@ class BorrowedEmbedder(EmbeddingGenerator):
 
     def __getattr__(self, name: str) -> Any:  # queue_depth, add_batch_listener, device, ...
         return getattr(self.inner, name)
+
+
+# The test files that take longest (model loads in subprocesses and Ray actors, real
+# waits), run first: the workers of `pytest -n` take files in collection order, so a long
+# file started last would keep one worker busy after the other has finished.
+_LONGEST_FIRST = (
+    "test_classify_ray.py",
+    "test_serve_process.py",
+    "test_classify.py",
+    "test_reload.py",
+    "test_check.py",
+    "test_load.py",
+    "test_fault_matrix.py",
+    "test_disconnect.py",
+    "test_embedder.py",
+    "test_fuzz_openapi.py",
+    "test_request_log.py",
+    "test_cli_remote.py",
+    "test_public_api.py",
+    "test_timeouts.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the files longest first (see `_LONGEST_FIRST`); tests keep their order in a file."""
+    rank = {name: n for n, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(autouse=True)

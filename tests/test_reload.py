@@ -6,11 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -107,7 +102,7 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> No
 def test_a_stream_finishes_on_the_old_config_while_new_requests_see_the_new(
     running: Running,
 ) -> None:
-    running.upstreams["primary"].default = Ok(WORDS, chunk_delay=0.2)
+    running.upstreams["primary"].default = Ok(WORDS, chunk_delay=0.1)
     old_engine = running.app.state.service.engine
     raw = running.client.chat.completions.with_raw_response.create(
         model="old-only", messages=[{"role": "user", "content": "hi"}], stream=True
@@ -241,46 +236,3 @@ def test_a_new_embedder_rebuilds_everything_and_a_second_reload_meanwhile_is_ref
         model="auto", messages=[{"role": "user", "content": "what is the weather like"}]
     )
     assert served.headers["x-chatroute-route"] == "new-only"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_sighup_reloads_the_serving_process(tmp_path: Path) -> None:
-    with FakeUpstream() as primary, FakeUpstream() as fallback:
-        urls = {"primary": primary.base_url, "fallback": fallback.base_url}
-        path = tmp_path / "chatroute.yaml"
-        path.write_text(yaml.safe_dump(config(urls, OLD_ROUTES)), encoding="utf-8")
-        port = _free_port()
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
-        env.pop("CHATROUTE_ADMIN_KEY", None)
-        command = [sys.executable, "-m", "chatroute", "serve", "--config", str(path)]
-        process = subprocess.Popen(
-            [*command, "--port", str(port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        base = f"http://127.0.0.1:{port}"
-
-        def routes() -> list[str]:
-            try:
-                answer = httpx.get(f"{base}/readyz", timeout=2)
-            except httpx.TransportError:
-                return []
-            return list(answer.json().get("routes", [])) if answer.status_code == 200 else []
-
-        try:
-            _wait(lambda: routes() == ["code", "old-only"], "the service starting", 120)
-            path.write_text(yaml.safe_dump(config(urls, NEW_ROUTES)), encoding="utf-8")
-            process.send_signal(signal.SIGHUP)
-            _wait(lambda: routes() == ["code", "new-only"], "the reload", 60)
-            assert process.poll() is None  # SIGHUP reloads; it does not end the process
-        finally:
-            process.terminate()
-            _, err = process.communicate(timeout=30)
-        assert b"config reloaded" in err

@@ -6,15 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -382,82 +378,6 @@ def test_ready_is_logged_only_once_the_port_is_bound(
     finally:
         server.should_exit = True
         thread.join(10)
-
-
-def test_serve_with_json_logs_writes_only_json_lines_and_the_request_line(
-    tmp_path: Path,
-) -> None:
-    import httpx
-    import yaml
-
-    from tests.fakes import FakeUpstream
-
-    key = "serve-key-0123456789"
-    with FakeUpstream() as up:
-        config = build({"primary": up.base_url, "fallback": up.base_url})
-        config["server"] = {"port": 0, "log_format": "json"}
-        config["embedder"] = {"device": "cpu"}
-        path = tmp_path / "serve.yaml"
-        path.write_text(yaml.safe_dump(config), encoding="utf-8")
-        env = {**os.environ, "CHATROUTE_API_KEYS": key, "PRIMARY_KEY": "sk-primary-secret-42"}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "chatroute", "serve", "--config", str(path)],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        lines: list[str] = []
-        changed = threading.Condition()
-
-        def read() -> None:
-            assert process.stderr is not None
-            for line in process.stderr:
-                with changed:
-                    lines.append(line.rstrip("\n"))
-                    changed.notify_all()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-
-        def wait_line(match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
-            deadline = time.monotonic() + timeout
-            with changed:
-                while True:
-                    for line in lines:
-                        if line.startswith("{") and match(json.loads(line)):
-                            return dict(json.loads(line))
-                    left = deadline - time.monotonic()
-                    if left <= 0 or process.poll() is not None:
-                        raise AssertionError("no such line in:\n" + "\n".join(lines))
-                    changed.wait(min(left, 1.0))
-
-        try:
-            ready = wait_line(lambda d: str(d.get("message", "")).startswith("ready:"), 180)
-            port = int(str(ready["message"]).rsplit(":", 1)[1])
-            answer = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={"model": "chain", "messages": [{"role": "user", "content": "hi"}]},
-                headers={"authorization": f"Bearer {key}", "x-request-id": "json-1"},
-                timeout=30,
-            )
-            assert answer.status_code == 200 and answer.headers["x-request-id"] == "json-1"
-            request = wait_line(lambda d: d.get("request_id") == "json-1", 30)
-            assert request["message"] == "request" and request["logger"] == "chatroute.requests"
-            assert request["route"] == "chain" and request["status"] == 200
-            assert request["attempts"][0]["provider"] == "primary"
-            assert request["key"] == key_hash(key)
-        finally:
-            process.terminate()
-            process.wait(30)
-            reader.join(10)
-    summary = next(json.loads(x)["startup"] for x in lines if '"startup"' in x)
-    assert summary["providers"]["primary"]["key"] == "set"
-    assert summary["routes"]["chain"]["failover"] == ["primary", "fallback"]
-    records = [line for line in lines if line.strip()]
-    assert all(json.loads(line) for line in records)  # every line is one JSON object
-    assert any(json.loads(line)["logger"].startswith("uvicorn") for line in records)
-    assert not any(key in line or "sk-primary-secret-42" in line for line in records)
 
 
 async def test_an_unexpected_500_carries_its_request_id_and_is_logged(
