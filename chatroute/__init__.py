@@ -36,7 +36,6 @@ from chatroute.embedder import (
     EmbedderClosedError,
     EmbedderLoadError,
     EmbedderOverloadedError,
-    SentenceTransformerEmbedder,
 )
 from chatroute.errors import (
     ContextLengthExceededError,
@@ -112,18 +111,20 @@ from chatroute.session import (
 )
 
 if TYPE_CHECKING:
+    from chatroute.embedder import SentenceTransformerEmbedder
     from chatroute.engine import Engine, build_engine
     from chatroute.providers import AnthropicChatClient, OpenAIChatClient
     from chatroute.session.redis_store import RedisSessionStore
 
 __version__ = "0.1.0"
 
-# The provider clients and the engine resolve lazily so that importing chatroute never
-# imports their HTTP stack.
+# The provider clients, the engine and the embedder resolve lazily so that importing
+# chatroute never imports their HTTP stack or torch.
 _LAZY = {name: "chatroute.providers" for name in ("AnthropicChatClient", "OpenAIChatClient")} | {
     "Engine": "chatroute.engine",
     "build_engine": "chatroute.engine",
     "RedisSessionStore": "chatroute.session.redis_store",  # needs the `redis` extra
+    "SentenceTransformerEmbedder": "chatroute.embedder",
 }
 
 
