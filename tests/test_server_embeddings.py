@@ -232,7 +232,9 @@ def test_a_full_embedder_queue_is_a_503_with_retry_after(
     serve_app: Callable[..., Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    emb = SentenceTransformerEmbedder(_runner=inner._runner, warmup=False, max_queue=4)
+    emb = SentenceTransformerEmbedder(
+        _runner=inner._runner, warmup=False, max_queue=4, workers=1
+    )  # one model thread: the held pass holds the queue
     try:
         with _service(emb, serve_app) as (url, _):
             gate = ForwardGate(emb, monkeypatch)  # after start-up: holds the next pass
