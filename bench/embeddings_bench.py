@@ -6,24 +6,31 @@ Run from the repository root:
 
 It starts the real service (`chatroute serve --config <generated>`, embedder on the CPU
 unless `--device` says otherwise, /v1 open) on a small CLINC150 routing config, and loads
-the same model in this process (`SentenceTransformerEmbedder`, the same settings). Every
-CLINC150 test query (or the first `--limit`) goes through each arm once per round:
+the same model in this process (`SentenceTransformerEmbedder` with the library's defaults).
+Every CLINC150 test query (or the first `--limit`) goes through each arm once per round:
 
-- in-process `generate(texts)`: one call with all the texts (the library's own batching,
-  nothing in between): the reference;
+- in-process `generate(texts)`: one call with all the texts, the library's defaults (its
+  own batching, nothing in between): the reference;
+- the same call with `workers=1` (one forward pass at a time over all of torch's intra-op
+  threads, the default before two workers): what the default's choice is worth;
 - in-process, 64 callers: `--clients` concurrent tasks, each awaiting `generate([text])`
   for one text at a time (the request shape the service sees, without HTTP);
 - `/v1/embeddings`, base64 (what the openai SDK asks for by default) and float:
   `--clients` concurrent keep-alive connections, one text per request.
 
 The arms take turns to go first over `--rounds` rounds, each round after an untimed
-warm-up of both sides. The table shows each arm's median round, its ratio to the reference
-(the median of the per-round ratios, each round's arms measured back to back), and the CPU
-time each arm's embedding process spent per text (the bench process for the in-process
-arms, the service for the HTTP arms): on a shared machine the wall-clock rates move with
-the other load, the CPU cost much less. The vectors the service returns are checked
-against in-process ones. The markdown result is printed and written to the `embeddings`
-section of BENCHMARKS.md (`--no-write` to skip).
+warm-up of both sides; each HTTP arm opens its connections and sends one request on each
+before its clock (and its CPU counters) start. The table shows each arm's median round,
+its ratio to the reference (the median of the per-round ratios, each round's arms measured
+back to back), the forward passes it ran (mean texts per pass, padded tokens per text: the
+in-process arms through a batch listener, the service through its `/metrics` histograms),
+and CPU time per text: the embedding process's (the bench process for the in-process arms,
+the service for the HTTP arms, split into its event loop thread and the rest: model and
+tokeniser threads) and, for the HTTP arms, the load client's own (this process, on the
+same cores). On a shared machine the wall-clock rates move with the other load, the CPU
+cost much less. The vectors the service returns are checked against in-process ones. The
+markdown result is printed and written to the `embeddings` section of BENCHMARKS.md
+(`--no-write` to skip).
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ import asyncio
 import base64
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,17 +75,58 @@ from chatroute.embedder import SentenceTransformerEmbedder
 MODEL = "default"
 
 
+@dataclass
+class Cost:
+    """What one arm's timed window cost: CPU seconds and the forward passes it ran."""
+
+    cpu: float = 0.0  # the embedding process, every thread
+    loop_cpu: float = 0.0  # the service's main (event loop) thread
+    client_cpu: float = 0.0  # this process, driving the HTTP load
+    passes: float = 0.0
+    rows: float = 0.0
+    padded: float = 0.0
+
+
+def thread_cpu(pid: int, tid: int) -> float:
+    """CPU seconds one thread of a process has used so far; nan without /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_HISTOGRAM = re.compile(
+    r"^chatroute_embedder_batch_(size|tokens)_(sum|count)(?:\{[^}]*\})? ([0-9.e+]+)$", re.M
+)
+
+
+async def batch_counters(conn: Conn) -> dict[str, float]:
+    """The service's forward-pass histograms: passes, texts and padded tokens so far."""
+    conn.writer.write(b"GET /metrics HTTP/1.1\r\nhost: %s\r\n\r\n" % conn.host)
+    head = await conn.reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    text = (await conn.reader.readexactly(length)).decode()
+    found = {f"{kind}_{stat}": float(value) for kind, stat, value in _HISTOGRAM.findall(text)}
+    return {
+        "passes": found.get("size_count", 0.0),
+        "rows": found.get("size_sum", 0.0),
+        "padded": found.get("tokens_sum", 0.0),
+    }
+
+
 async def service_load(
-    port: int, texts: Sequence[str], clients: int, encoding: str
-) -> tuple[float, list[float], list[bytes]]:
+    port: int, pid: int, texts: Sequence[str], clients: int, encoding: str
+) -> tuple[float, list[float], list[bytes], Cost]:
     """Every text once through /v1/embeddings by `clients` connections: texts/s, latencies,
-    and the answers in text order."""
+    the answers in text order, and the cost of the timed window (after the warm-up)."""
     bodies = [
         json.dumps({"model": MODEL, "input": t, "encoding_format": encoding}).encode()
         for t in texts
     ]
     conns = [await Conn.open(port) for _ in range(clients)]
-    for conn in conns:  # warm
+    for conn in conns:  # warm: every connection open and used once, off the clock
         await conn.post("/v1/embeddings", bodies[0])
     answers: list[bytes] = [b""] * len(bodies)
     latencies: list[float] = []
@@ -90,12 +141,21 @@ async def service_load(
                 raise RuntimeError(f"/v1/embeddings: HTTP {status}: {payload[:200]!r}")
             answers[i] = payload
 
+    before = await batch_counters(conns[0])
+    cpu, loop_cpu, client_cpu = process_cpu(pid), thread_cpu(pid, pid), time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in conns))
     elapsed = time.perf_counter() - started
+    cost = Cost(
+        cpu=process_cpu(pid) - cpu,
+        loop_cpu=thread_cpu(pid, pid) - loop_cpu,
+        client_cpu=time.process_time() - client_cpu,
+    )
+    after = await batch_counters(conns[0])
+    cost.passes, cost.rows, cost.padded = (after[k] - before[k] for k in before)
     for conn in conns:
         await conn.close()
-    return len(bodies) / elapsed, latencies, answers
+    return len(bodies) / elapsed, latencies, answers, cost
 
 
 async def callers_load(
@@ -134,10 +194,11 @@ def run(args: argparse.Namespace) -> str:
         texts = texts[: args.limit]
     print(f"{len(texts)} texts, {args.clients} clients, {args.rounds} rounds", file=sys.stderr)
     load_before = loadavg()
-    arms = ["bulk", "callers", "base64", "float"]
+    arms = ["bulk", "bulk1", "callers", "base64", "float"]
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     latencies: dict[str, list[list[float]]] = {"base64": [], "float": []}
-    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
+    costs: dict[str, list[Cost]] = {arm: [] for arm in arms}
+    loads: list[float] = []
     worst = 0.0
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -149,37 +210,57 @@ def run(args: argparse.Namespace) -> str:
         pid = start_service(stack, config_path, port, workdir)
         embedder = SentenceTransformerEmbedder(MODEL, device=args.device)
         stack.callback(embedder.close)
+        # One pass at a time over every intra-op thread, on the same loaded model.
+        single = SentenceTransformerEmbedder(_runner=embedder._runner, warmup=False, workers=1)
+        stack.callback(single.close)
+        passes: list[tuple[int, int]] = []
+        for emb in (embedder, single):
+            emb.add_batch_listener(lambda size, padded: passes.append((size, padded)))
         loop = asyncio.new_event_loop()
         stack.callback(loop.close)
         loop.run_until_complete(embedder.generate(texts[:256]))  # warm
+        loop.run_until_complete(single.generate(texts[:256]))
         for round_ in range(args.rounds):
             # Each arm leads a round in turn, after an untimed warm-up of both sides (the
             # first arm after a pause otherwise pays for waking the idle threads up).
             order = arms[round_ % len(arms) :] + arms[: round_ % len(arms)]
             loop.run_until_complete(callers_load(embedder, texts[:256], args.clients))
-            loop.run_until_complete(service_load(port, texts[:256], args.clients, "base64"))
+            loop.run_until_complete(service_load(port, pid, texts[:256], args.clients, "base64"))
             for arm in order:
-                if arm in ("bulk", "callers"):
+                if arm in ("bulk", "bulk1", "callers"):
+                    passes.clear()
                     cpu_before = time.process_time()  # this process, every thread
-                    if arm == "bulk":
-                        rate = loop.run_until_complete(bulk_load(embedder, texts))
+                    if arm == "callers":
+                        rate = loop.run_until_complete(callers_load(embedder, texts, args.clients))
                     else:
-                        work = callers_load(embedder, texts, args.clients)
-                        rate = loop.run_until_complete(work)
-                    cpu[arm].append((time.process_time() - cpu_before) / len(texts))
+                        target = embedder if arm == "bulk" else single
+                        rate = loop.run_until_complete(bulk_load(target, texts))
+                    cost = Cost(cpu=time.process_time() - cpu_before)
+                    cost.passes = len(passes)
+                    cost.rows = sum(size for size, _ in passes)
+                    cost.padded = sum(padded for _, padded in passes)
                 else:
-                    cpu_before = process_cpu(pid)
-                    rate, lat, answers = loop.run_until_complete(
-                        service_load(port, texts, args.clients, arm)
+                    rate, lat, answers, cost = loop.run_until_complete(
+                        service_load(port, pid, texts, args.clients, arm)
                     )
-                    cpu[arm].append((process_cpu(pid) - cpu_before) / len(texts))
                     latencies[arm].append(lat)
                     sample = list(range(0, len(texts), max(1, len(texts) // 200)))
                     want = loop.run_until_complete(embedder.generate([texts[i] for i in sample]))
                     got = np.stack([vector_of(answers[i]) for i in sample])
                     worst = max(worst, float(np.abs(got - want).max()))
                 rates[arm].append(rate)
-                print(f"round {round_ + 1} {arm}: {rate:.1f} texts/s", file=sys.stderr)
+                costs[arm].append(cost)
+                loads.append(os.getloadavg()[0])
+                print(
+                    f"round {round_ + 1} {arm}: {rate:.1f} texts/s, "
+                    f"{cost.cpu / len(texts) * 1000:.2f} ms CPU/text, "
+                    f"{cost.rows / max(cost.passes, 1):.1f} texts/pass, "
+                    f"load {loads[-1]:.2f}",
+                    file=sys.stderr,
+                )
+        threads = max(1, torch.get_num_threads() // embedder.workers)
+        workers = f"{embedder.workers} model worker(s) x {threads}"
+        mean_len = statistics.mean(len(e.ids) for e in embedder._runner._encode(texts))
     load_after = loadavg()
     if worst > 1e-4:
         raise RuntimeError(f"the service's vectors differ from generate() by {worst:g}")
@@ -191,10 +272,17 @@ def run(args: argparse.Namespace) -> str:
         ordered = sorted(range(args.rounds), key=lambda r: rates[arm][r])
         return ordered[len(ordered) // 2]
 
-    bulk_cpu = statistics.median(cpu["bulk"])
+    def per_text(arm: str, field: str) -> float:
+        return statistics.median(getattr(c, field) / len(texts) for c in costs[arm])
+
+    def ms_text(value: float) -> str:
+        return f"{value * 1000:.2f}"
+
+    bulk_cpu = per_text("bulk", "cpu")
     rows = []
     labels = {
-        "bulk": "in-process `generate(texts)`, one call",
+        "bulk": "in-process `generate(texts)`, one call (library defaults)",
+        "bulk1": "in-process `generate(texts)`, one call, `workers=1`",
         "callers": f"in-process `generate([text])`, {args.clients} concurrent callers",
         "base64": f"`/v1/embeddings` base64, {args.clients} clients",
         "float": f"`/v1/embeddings` float, {args.clients} clients",
@@ -202,45 +290,56 @@ def run(args: argparse.Namespace) -> str:
     for arm in arms:
         mid = median_round(arm)
         vs_bulk = statistics.median(ratio_rounds(arm, "bulk"))
-        arm_cpu = statistics.median(cpu[arm])
+        arm_cpu = per_text(arm, "cpu")
+        mid_cost = costs[arm][mid]
         row: list[Any] = [
             labels[arm],
             f"{rates[arm][mid]:,.0f}",
             f"{vs_bulk:.2f}",
-            f"{arm_cpu * 1000:.2f}",
-            f"{bulk_cpu / arm_cpu:.2f}",
+            f"{mid_cost.rows / max(mid_cost.passes, 1):.1f}",
+            f"{mid_cost.padded / max(mid_cost.rows, 1):.1f}",
+            ms_text(arm_cpu),
         ]
         if arm in latencies:
-            vs_callers = statistics.median(ratio_rounds(arm, "callers"))
+            client_cpu = per_text(arm, "client_cpu")
             lat = latencies[arm][mid]
             row += [
-                f"{vs_callers:.2f}",
+                ms_text(per_text(arm, "loop_cpu")),
+                ms_text(client_cpu),
+                f"{bulk_cpu / (arm_cpu + client_cpu):.2f}",
+                f"{statistics.median(ratio_rounds(arm, 'callers')):.2f}",
                 f"{pct(lat, 0.5) * 1000:.1f}",
                 f"{pct(lat, 0.99) * 1000:.1f}",
                 "met" if vs_bulk >= 0.8 else "missed",
             ]
         else:
-            row += ["", "", "", ""]
+            row += ["", "", f"{bulk_cpu / arm_cpu:.2f}", "", "", "", ""]
         rows.append(row)
     per_round = "; ".join(f"{arm} " + " / ".join(f"{r:,.0f}" for r in rates[arm]) for arm in arms)
     lines = [
         "## Embeddings API (bench/embeddings_bench.py)",
         "",
-        f"- Machine: {machine()}; load average {load_before} before, {load_after} after "
-        "(the machine may be shared with other jobs).",
+        f"- Machine: {machine()}; load average {load_before} before, {load_after} after, "
+        f"{min(loads):.2f}-{max(loads):.2f} (1 min) across the arms (the machine may be "
+        "shared with other jobs).",
         f"- Command: `{command()}`",
         f"- Texts: {len(texts)} CLINC150 test queries, each arm every text once per round, "
-        f"{args.rounds} rounds, each arm first in turn, after an untimed warm-up; one text per request. Service: "
-        f"`chatroute serve`, embedder `{MODEL}` on `{args.device}`, /v1 open; the load "
-        "client is a minimal asyncio HTTP/1.1 client (keep-alive). The in-process arms "
-        "run the same model with the same settings in the bench process.",
+        f"{args.rounds} rounds, each arm first in turn, after an untimed warm-up; one text "
+        f"per request. Service: `chatroute serve`, embedder `{MODEL}` on `{args.device}` "
+        f"({workers} intra-op threads), /v1 open; the load client is a minimal asyncio "
+        "HTTP/1.1 client (keep-alive) in the bench process, on the same cores. The "
+        "in-process arms run the same model with the same settings in the bench process.",
         "",
         table(
             [
                 "path",
                 "texts/s",
                 "vs one generate() call",
+                "texts/pass",
+                "padded tokens/text",
                 "CPU ms/text",
+                "of which event loop",
+                "client CPU ms/text",
                 "CPU vs one generate() call",
                 "vs in-process callers",
                 "p50 ms",
@@ -252,11 +351,16 @@ def run(args: argparse.Namespace) -> str:
         "",
         f"Per round (texts/s): {per_round}. Ratios are medians of the per-round ratios; "
         f"the service's vectors matched in-process `generate()` within {worst:.1e} "
-        "(max abs difference on a sample of each round). CPU ms/text: the CPU time "
-        "(all threads) of the process doing the embedding, the bench process for the "
-        "in-process arms and the service for the HTTP arms (median round); its ratio to "
-        "the one-call arm is what throughput would be on a machine the bench had to "
-        "itself, whatever else the shared machine was running.",
+        "(max abs difference on a sample of each round). Texts/pass and padded tokens/text: "
+        "the forward passes of the arm's median round (the texts' own length averages "
+        f"{mean_len:.1f} tokens). CPU ms/text: the CPU "
+        "time (all threads) of the process doing the embedding, the bench process for the "
+        "in-process arms and the service for the HTTP arms, after the warm-up (median "
+        "round); the event loop is the service's main thread, the rest its model and "
+        "tokeniser threads. CPU vs one generate() call is the reference's CPU per text over "
+        "the arm's (the service's plus the load client's for the HTTP arms): the throughput "
+        "ratio on a machine whose cores the bench had to itself and kept busy, whatever "
+        "else the shared machine was running.",
     ]
     return "\n".join(lines)
 

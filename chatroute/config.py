@@ -159,6 +159,7 @@ class EmbedderConfig(_Strict):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_queue: int | None = Field(default=None, ge=1)
     tokenizer_threads: int | None = Field(default=None, ge=1)
+    workers: int | None = Field(default=None, ge=1)
 
 
 class RoutingConfig(_Strict):

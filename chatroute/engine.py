@@ -288,6 +288,7 @@ def build_embedder(config: ChatrouteConfig) -> EmbeddingGenerator:
         max_batch_tokens=settings.max_batch_tokens,
         max_queue=settings.max_queue if settings.max_queue is not None else 100_000,
         tokenizer_threads=settings.tokenizer_threads,
+        workers=settings.workers,
     )
 
 

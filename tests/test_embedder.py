@@ -272,7 +272,7 @@ async def test_concurrent_calls_are_coalesced_into_one_pass(
     reference: Callable[[list[str]], np.ndarray],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    emb = make()
+    emb = make(workers=1)  # one model thread: the held pass holds the queue
     gate = ForwardGate(emb, monkeypatch)
     seen = record_batches(emb)
     first = asyncio.create_task(emb.generate(["the first request"]))
@@ -340,7 +340,7 @@ async def test_cancelled_waiting_caller_is_dropped(
     reference: Callable[[list[str]], np.ndarray],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    emb = make()
+    emb = make(workers=1)  # one model thread: the held pass holds the queue
     gate = ForwardGate(emb, monkeypatch)
     seen = record_batches(emb)
     first = asyncio.create_task(emb.generate(["in flight"]))
@@ -374,10 +374,56 @@ async def test_cancelling_an_in_flight_caller_does_not_break_the_batcher(
     np.testing.assert_allclose(await emb.generate(["after"]), reference(["after"]), atol=ATOL)
 
 
+async def test_two_workers_run_passes_side_by_side(
+    make: Callable[..., SentenceTransformerEmbedder],
+    reference: Callable[[list[str]], np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    emb = make(workers=2)
+    assert emb.workers == 2
+    gate = ForwardGate(emb, monkeypatch)
+    held = asyncio.create_task(emb.generate(["held in the first worker"]))
+    await gate.wait_started()
+    # The other worker serves the next callers while the first pass is held.
+    texts = ["served by the second worker", "and this one", "hello"]
+    np.testing.assert_allclose(await emb.generate(texts), reference(texts), atol=ATOL)
+    assert not held.done()
+    gate.open()
+    got = await held
+    np.testing.assert_allclose(got, reference(["held in the first worker"]), atol=ATOL)
+    # Many callers over both workers: every row lands in its own caller's answer.
+    many = [f"request number {i} " + "word " * (i % 9) for i in range(40)]
+    answers = await asyncio.gather(*(emb.generate([t]) for t in many))
+    np.testing.assert_allclose(np.concatenate(answers), reference(many), atol=ATOL)
+
+
+def test_cpu_workers_share_the_intra_op_threads_and_keep_the_default(
+    make: Callable[..., SentenceTransformerEmbedder],
+) -> None:
+    import torch
+
+    def fresh_thread_default() -> int:
+        seen: list[int] = []
+        probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        return seen[0]
+
+    before_here, before_new = torch.get_num_threads(), fresh_thread_default()
+    emb = make(workers=2)
+    in_worker: list[int] = []
+    emb.add_batch_listener(lambda size, tokens: in_worker.append(torch.get_num_threads()))
+    emb.embed_sync(["which thread count runs this"])
+    assert in_worker == [max(1, before_here // 2)]
+    # The caller's thread and threads started later keep the process default.
+    assert torch.get_num_threads() == before_here
+    assert fresh_thread_default() == before_new
+
+
 async def test_full_queue_refuses_with_overloaded_error(
     make: Callable[..., SentenceTransformerEmbedder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    emb = make(max_queue=4)
+    emb = make(max_queue=4, workers=1)  # one model thread: the held pass holds the queue
     gate = ForwardGate(emb, monkeypatch)
     first = asyncio.create_task(emb.generate(["in flight"]))
     await gate.wait_started()
@@ -401,7 +447,7 @@ async def test_full_queue_refuses_with_overloaded_error(
 async def test_aclose_fails_pending_callers_and_is_idempotent(
     make: Callable[..., SentenceTransformerEmbedder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    emb = make()
+    emb = make(workers=1)  # one model thread: the held pass holds the queue
     gate = ForwardGate(emb, monkeypatch)
     running = asyncio.create_task(emb.generate(["in flight"]))
     await gate.wait_started()
@@ -415,7 +461,7 @@ async def test_aclose_fails_pending_callers_and_is_idempotent(
     await closing
     await emb.aclose()
     emb.close()
-    assert emb.closed and not emb._worker.is_alive()
+    assert emb.closed and not any(w.is_alive() for w in emb._workers)
     with pytest.raises(EmbedderClosedError):
         await emb.generate(["late"])
     with pytest.raises(EmbedderClosedError):

@@ -213,6 +213,28 @@ def test_unknown_fields_are_ignored_and_named(service: str) -> None:
     assert answer.headers["x-chatroute-ignored-params"] == "input_type"
 
 
+def test_bodies_that_are_not_a_request_object_are_400s_and_the_schema_is_published(
+    service: str,
+) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    for content, kind in (
+        (b"", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b"input=x", "application/x-www-form-urlencoded"),
+        (b'{"input": "x"', "application/json"),
+    ):
+        answer = httpx.post(
+            f"{service}/v1/embeddings", content=content, headers={**auth, "content-type": kind}
+        )
+        assert answer.status_code == 400, (content, answer.text)
+        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    document = httpx.get(f"{service}/openapi.json").json()
+    body = document["paths"]["/v1/embeddings"]["post"]["requestBody"]
+    ref = body["content"]["application/json"]["schema"]["$ref"]
+    schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"input", "model", "encoding_format", "dimensions"} <= set(schema["properties"])
+
+
 def test_the_embedder_is_listed_and_retrievable(client: openai.OpenAI) -> None:
     listed = {model.id: model for model in client.models.list()}
     assert {"auto", "billing", "general", MODEL} <= set(listed)
@@ -232,7 +254,9 @@ def test_a_full_embedder_queue_is_a_503_with_retry_after(
     serve_app: Callable[..., Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    emb = SentenceTransformerEmbedder(_runner=inner._runner, warmup=False, max_queue=4)
+    emb = SentenceTransformerEmbedder(
+        _runner=inner._runner, warmup=False, max_queue=4, workers=1
+    )  # one model thread: the held pass holds the queue
     try:
         with _service(emb, serve_app) as (url, _):
             gate = ForwardGate(emb, monkeypatch)  # after start-up: holds the next pass

@@ -202,7 +202,10 @@ class MicroBatcher:
                 self._cond.wait()
             if self._closed:
                 return None
-            return self._form_batch()
+            batch = self._form_batch()
+            if self._ready:  # more than one batch was ready: wake another worker for it
+                self._cond.notify()
+            return batch
 
     def _form_batch(self) -> Batch:
         # The window: the oldest ready texts, in arrival order (plain lists: many callers

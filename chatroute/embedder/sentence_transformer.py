@@ -25,17 +25,40 @@ __all__ = ["BatchListener", "SentenceTransformerEmbedder"]
 logger = logging.getLogger(__name__)
 
 BatchListener = Callable[[int, int], None]
-"""Called after each forward pass with (batch_size, padded_tokens), on the model thread."""
+"""Called after each forward pass with (batch_size, padded_tokens), on a model thread."""
 
 _TOKENIZE_CHUNK = 256
 _DEFAULTS = {
     # device type: (max_batch_size, max_batch_tokens, cost of one pass in padded tokens).
-    # On a CPU a pass costs about its padded tokens plus one read of the weights (~64 tokens'
-    # worth for a MiniLM): batches are cut finely by length. On a GPU each pass has a launch
-    # cost worth thousands of tokens: batches stay large.
-    "cpu": (256, 8192, 64),
+    # On a CPU a pass costs its padded tokens plus a fixed part, the weights read once
+    # (all-MiniLM-L6-v2, one thread: 6 ms a pass against 0.3 ms a token, so ~20 tokens;
+    # more on a loaded machine). Under steady load the texts a pass leaves out join the
+    # next one, so cutting finely by length pays: replaying CLINC150-length texts through
+    # a pool that refills as passes take from it (24 to 64 waiting), planning with 24
+    # costs 2-5% less per text than with 64. On a GPU each pass has a launch cost worth
+    # thousands of tokens: batches stay large.
+    "cpu": (256, 8192, 24),
     "cuda": (1024, 65536, 4096),
 }
+_THREADS_LOCK = threading.Lock()
+
+
+def _use_threads(count: int) -> None:
+    """Run the calling thread's torch operators on `count` intra-op threads.
+
+    `torch.set_num_threads` sets the calling thread's OpenMP team size, and also the size
+    that threads starting later take on their first operator; the second is put back
+    (from a short-lived thread, whose own setting dies with it), so the process default
+    the caller chose stays as it was.
+    """
+    with _THREADS_LOCK:
+        before = torch.get_num_threads()
+        if before == count:
+            return
+        torch.set_num_threads(count)
+        restore = threading.Thread(target=torch.set_num_threads, args=(before,))
+        restore.start()
+        restore.join()
 
 
 class _Job(Request):
@@ -146,7 +169,13 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
     while a pass runs form the next one. At most `max_queue` texts wait (a request that would
     go over is refused with `EmbedderOverloadedError`; one larger than the bound alone is
     accepted only into an empty queue). Tokenisation runs in `tokenizer_threads` worker
-    threads, overlapping the forward pass, which runs in one dedicated thread.
+    threads, overlapping the forward passes, which run in `workers` model threads.
+
+    `workers`: forward passes run at once. On CUDA 1 (passes are pipelined instead). On a
+    CPU 2 when torch has two or more intra-op threads, each pass then on half of them: two
+    passes side by side keep the cores busy where one pass split across all of them waits
+    at every operator for the slowest core (a core another thread, such as a server's
+    event loop, has taken), and small batches split poorly.
     """
 
     def __init__(
@@ -160,6 +189,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         max_batch_tokens: int | None = None,
         max_queue: int | None = 100_000,
         tokenizer_threads: int | None = None,
+        workers: int | None = None,
         warmup: bool = True,
         _runner: ModelRunner | None = None,
     ) -> None:
@@ -180,6 +210,11 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         default_threads = max(1, min(8, cores // 2)) if runner.device.type == "cuda" else 1
         threads = _positive("tokenizer_threads", tokenizer_threads, default_threads)
         self._threads = threads
+        on_cpu = runner.device.type == "cpu"
+        intra_op = torch.get_num_threads()
+        n_workers = _positive("workers", workers, 2 if on_cpu and intra_op >= 2 else 1)
+        # Each CPU worker gets its share of the intra-op threads; CUDA workers keep theirs.
+        self._worker_threads = max(1, intra_op // n_workers) if on_cpu else None
 
         self._batcher = MicroBatcher(
             max_batch_size=batch_size,
@@ -190,6 +225,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         self._listeners: list[BatchListener] = []
         self._jobs: set[_Job] = set()
         self._jobs_lock = threading.Lock()
+        self._rows_lock = threading.Lock()  # rows of one job may finish in two workers
         self._fingerprint: EmbeddingFingerprint | None = None
         self._batches = 0
         if warmup:
@@ -197,10 +233,12 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="chatroute-embed-tok"
         )
-        self._worker = threading.Thread(
-            target=self._work, name="chatroute-embed-model", daemon=True
-        )
-        self._worker.start()
+        self._workers = [
+            threading.Thread(target=self._work, name=f"chatroute-embed-model-{i}", daemon=True)
+            for i in range(n_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
 
     # -- description --------------------------------------------------------------------------
 
@@ -241,6 +279,11 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         return self._batcher.max_queue
 
     @property
+    def workers(self) -> int:
+        """Forward passes that run at once (model threads)."""
+        return len(self._workers)
+
+    @property
     def queue_depth(self) -> int:
         """Texts accepted and not yet in a forward pass."""
         return self._batcher.queue_depth
@@ -268,7 +311,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         return self._fingerprint
 
     def add_batch_listener(self, listener: BatchListener) -> Callable[[], None]:
-        """Call `listener(batch_size, padded_tokens)` after each forward pass, on the model
+        """Call `listener(batch_size, padded_tokens)` after each forward pass, on a model
         thread (keep it quick; exceptions are logged). Returns a function that removes it."""
         if not callable(listener):
             raise TypeError("listener must be callable")
@@ -314,7 +357,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         texts = _check_texts(values)
         if self._closed:
             raise EmbedderClosedError(f"{self!r} is closed")
-        if threading.current_thread() is self._worker:
+        if threading.current_thread() in self._workers:
             raise RuntimeError("embed_sync cannot be called from the embedder's model thread")
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
@@ -362,9 +405,11 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             self._jobs.discard(job)
         job.settle(exc)
 
-    # -- the model thread -----------------------------------------------------------------------
+    # -- the model threads ----------------------------------------------------------------------
 
     def _work(self) -> None:
+        if self._worker_threads is not None:
+            _use_threads(self._worker_threads)
         with self._runner.inference():
             pending: tuple[Batch, PendingResult | BaseException] | None = None
             while True:
@@ -400,7 +445,8 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             except Exception as exc:
                 logger.exception("embedder: forward pass failed")
                 error = exc
-        self._batches += 1
+        with self._rows_lock:
+            self._batches += 1
         for listener in self._listeners:
             try:
                 listener(batch.size, batch.padded_tokens)
@@ -417,8 +463,10 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             elif not job.dead:
                 assert rows is not None
                 job.out[seg.positions[offs]] = rows[row : row + k]
-                job.rows_left -= k
-                if job.rows_left == 0:
+                with self._rows_lock:
+                    job.rows_left -= k
+                    finished = job.rows_left == 0
+                if finished:
                     done.append(job)
             row += k
         if done:
@@ -444,8 +492,9 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         return True
 
     def _join(self) -> None:
-        if threading.current_thread() is not self._worker:
-            self._worker.join()
+        for worker in self._workers:
+            if worker is not threading.current_thread():
+                worker.join()
         self._tok_pool.shutdown(wait=True)
 
     async def aclose(self) -> None:

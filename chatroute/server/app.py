@@ -18,6 +18,7 @@ from chatroute import __version__
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.config import ChatrouteConfig
 from chatroute.engine import Engine, build_engine
+from chatroute.server.embeddings import EmbeddingsRequest
 from chatroute.server.errors import Redactor
 from chatroute.server.guard import Admission, RequestGuard
 from chatroute.server.handlers import install_error_handlers
@@ -47,8 +48,9 @@ logger = logging.getLogger("chatroute.server")
 
 
 class ChatrouteApp(FastAPI):
-    """The service's FastAPI app. The chat route validates its body itself (the admission
-    guard parsed it once), so its request schema is added to the OpenAPI document here.
+    """The service's FastAPI app. The chat and embeddings routes validate their bodies
+    themselves (the admission guard parsed them once), so their request schemas are added
+    to the OpenAPI document here.
     `RequestLog` wraps everything: every answer carries an `x-request-id`."""
 
     def openapi(self) -> dict[str, Any]:
@@ -61,6 +63,9 @@ class ChatrouteApp(FastAPI):
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(schema.pop("$defs", {}))
         schemas["ChatCompletionRequest"] = schema
+        schemas["EmbeddingsRequest"] = EmbeddingsRequest.model_json_schema(
+            ref_template="#/components/schemas/{model}"
+        )
         return document
 
     def build_middleware_stack(self) -> ASGIApp:

@@ -6,11 +6,12 @@ import base64
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 import orjson
+import pydantic
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictInt
@@ -18,12 +19,15 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.embedder.errors import EmbedderClosedError, EmbedderOverloadedError
 from chatroute.server.errors import APIError
+from chatroute.server.guard import PARSED_BODY, is_json, parse_json
+from chatroute.server.handlers import validation_error
 
 if TYPE_CHECKING:
     from chatroute.server.app import Service
 
 __all__ = [
     "EMBEDDINGS_PATH",
+    "EMBEDDINGS_REQUEST_SCHEMA",
     "EmbeddingsRequest",
     "embedder_dimension",
     "embedder_name",
@@ -34,7 +38,10 @@ __all__ = [
 logger = logging.getLogger("chatroute.server")
 
 EMBEDDINGS_PATH = "/v1/embeddings"
+EMBEDDINGS_REQUEST_SCHEMA: Final = "#/components/schemas/EmbeddingsRequest"
+"""Where the OpenAPI document holds the request's schema (added by `ChatrouteApp`)."""
 _IGNORED_HEADER = "x-chatroute-ignored-params"
+_UNREAD: Final = object()
 
 
 class EmbeddingsRequest(BaseModel):
@@ -192,6 +199,23 @@ async def _embed(embedder: EmbeddingGenerator, texts: list[str]) -> tuple[npt.ND
         ) from None
 
 
+async def _request(request: Request, service: Service) -> EmbeddingsRequest:
+    """The validated body: the JSON the admission guard parsed (once, with orjson), read
+    and parsed here only when no guard ran or the content type is not JSON (then the
+    bytes fail validation)."""
+    payload: Any = request.scope.get(PARSED_BODY, _UNREAD)
+    if payload is _UNREAD:
+        payload = await request.body()
+        if payload and is_json(request.scope):
+            payload = parse_json(payload, service.config.server.max_json_depth)
+    if payload == b"":
+        raise validation_error([{"type": "missing", "loc": ("body",)}])
+    try:
+        return EmbeddingsRequest.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
 def encode_body(vectors: npt.NDArray[Any], model: str, tokens: int, encoding_format: str) -> bytes:
     """The JSON answer: OpenAI's `list` of `embedding` objects, base64 as little-endian
     float32 bytes (what OpenAI sends), float as JSON numbers."""
@@ -226,8 +250,17 @@ def install_embeddings(
     """
     router = APIRouter()
 
-    @router.post(EMBEDDINGS_PATH, tags=["openai"])
-    async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
+    @router.post(
+        EMBEDDINGS_PATH,
+        tags=["openai"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": EMBEDDINGS_REQUEST_SCHEMA}}},
+            }
+        },
+    )
+    async def embeddings(request: Request) -> Response:
         """OpenAI embeddings from the local embedder (the one routing uses, same batches).
 
         `input`: a string or a list of strings (token arrays are refused);
@@ -235,6 +268,7 @@ def install_embeddings(
         """
         service = ready(request)
         started = time.perf_counter()
+        body = await _request(request, service)
         model = _check_model(service, body.model)
         texts = _texts(body.input)
         _check_limits(service, texts)
