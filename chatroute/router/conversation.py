@@ -35,7 +35,12 @@ TurnScores = tuple[npt.NDArray[np.float32], tuple[RouteMatch, ...]]
 
 @runtime_checkable
 class RouteScorer(Protocol):
-    """What a context policy needs of a router (`SemanticRoutingChatClient` is one)."""
+    """What a context policy needs of a router (`SemanticRoutingChatClient` is one).
+
+    `ConversationPolicy` also reads two optional attributes when a router has them:
+    `scoring` (its mode's `name` picks the default temperature) and `score_limit` (the
+    scale of its scores, `top_k` under top-K sum aggregation).
+    """
 
     @property
     def clients(self) -> tuple[ChatClient, ...]:
