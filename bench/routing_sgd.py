@@ -267,7 +267,8 @@ async def run(args: argparse.Namespace) -> str:
         "threshold) is its label; each turn is decided from the messages a request carries "
         "at that point. Threshold 0.3 is the service's default; 0.2 for `prototype` is that "
         "default moved by the gap between the two modes' best thresholds on CLINC150's "
-        "validation split (docs/conversations.md), not fitted on this set.",
+        "validation split (bench/clinc_threshold_gap.py, docs/conversations.md), not fitted "
+        "on this set.",
         "",
         table(
             ["policy", "scoring", "threshold", "labelled turns", *KINDS],
