@@ -1,6 +1,8 @@
 """Multi-turn routing on sgd_routing dev: accuracy by turn kind per context policy, and cost.
 
 Run: `python bench/routing_sgd.py` (data: $CHATROUTE_SGD_ROUTING or ../shared/data/sgd_routing).
+Accuracy is measured for each `--runs` entry (scoring mode @ threshold) and both policies,
+each distinct text embedded once for all of them; the cost with the real embedder, uncached.
 Writes its tables to BENCHMARKS.md between the `routing-sgd` markers and prints them.
 """
 
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import random
@@ -26,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
 from _common import REPO, command, machine, table, write_section
 
 from chatroute import (
@@ -41,8 +43,12 @@ from chatroute import (
     SemanticRoutingChatClient,
     SentenceTransformerEmbedder,
 )
+from chatroute.router.conversation import DEFAULT_TEMPERATURES
 
 KINDS = ("open", "follow", "switch")
+# What the accuracy table measures by default: each scoring mode at the service's default
+# threshold, and the learned mode at 0.2 (see docs/conversations.md for where 0.2 comes from).
+RUNS = "top_k@0.3,prototype@0.3,prototype@0.2"
 
 
 class RouteClient(ChatClient):
@@ -85,6 +91,22 @@ def prefixes(dialogue: dict[str, Any]) -> list[list[ChatMessage]]:
     return out
 
 
+class CachedGenerator(EmbeddingGenerator):
+    """Embeds each distinct text once (accuracy runs share it; the cost runs do not)."""
+
+    def __init__(self, inner: EmbeddingGenerator) -> None:
+        self.inner = inner
+        self.cache: dict[str, np.ndarray] = {}
+
+    async def generate(self, values: Sequence[str]) -> np.ndarray:
+        missing = list(dict.fromkeys(v for v in values if v not in self.cache))
+        for start in range(0, len(missing), 4096):
+            chunk = missing[start : start + 4096]
+            vectors = np.asarray(await self.inner.generate(chunk), dtype=np.float32)
+            self.cache.update(zip(chunk, vectors, strict=True))
+        return np.stack([self.cache[v] for v in values]).astype(np.float32)
+
+
 class Setup:
     def __init__(self, args: argparse.Namespace, embedder: EmbeddingGenerator) -> None:
         self.profiles, self.dialogues = load()
@@ -92,28 +114,33 @@ class Setup:
         self.default = RouteClient("default")
         self.args = args
         self.embedder = embedder
-        params = inspect.signature(SemanticRoutingChatClient).parameters
-        self.scoring_supported = "scoring" in params
+        self.cached = CachedGenerator(embedder)
 
-    def router(self, context: Any) -> SemanticRoutingChatClient:
-        extra: dict[str, Any] = {}
-        if self.args.scoring is not None:
-            extra["scoring"] = self.args.scoring
+    def router(
+        self,
+        context: Any,
+        *,
+        scoring: str,
+        threshold: float,
+        generator: EmbeddingGenerator | None = None,
+    ) -> SemanticRoutingChatClient:
         return SemanticRoutingChatClient(
-            self.embedder,
+            generator or self.embedder,
             {self.clients[name]: texts for name, texts in self.profiles.items()},
             self.default,
-            score_threshold=self.args.threshold,
+            score_threshold=threshold,
             top_k=self.args.top_k,
             score_aggregation=ScoreAggregation.MEAN,
             leave_open=True,
             context=context,
-            **extra,
+            scoring=scoring,
         )
 
 
-async def accuracy(setup: Setup, context: Any) -> dict[str, tuple[int, int]]:
-    router = setup.router(context)
+async def accuracy(
+    setup: Setup, context: Any, scoring: str, threshold: float
+) -> dict[str, tuple[int, int]]:
+    router = setup.router(context, scoring=scoring, threshold=threshold, generator=setup.cached)
     tally = {kind: [0, 0] for kind in KINDS}
     batch: list[list[ChatMessage]] = []
     labels: list[tuple[str, str]] = []
@@ -140,9 +167,10 @@ async def accuracy(setup: Setup, context: Any) -> dict[str, tuple[int, int]]:
 
 async def cost_batch1(setup: Setup, dialogues: int) -> dict[str, float]:
     """Median ms per request, turn after turn of the same dialogues, in a random order."""
-    single = setup.router(LastUserPolicy())
-    conversation = setup.router(ConversationPolicy())
-    cold = setup.router(ConversationPolicy(cache_size=0))
+    mode = {"scoring": setup.args.cost_scoring, "threshold": 0.3}
+    single = setup.router(LastUserPolicy(), **mode)
+    conversation = setup.router(ConversationPolicy(), **mode)
+    cold = setup.router(ConversationPolicy(cache_size=0), **mode)
     await single.route([ChatMessage(ChatRole.USER, "warm up")])
     times: dict[str, list[float]] = {"single": [], "conversation": [], "uncached": []}
     rng = random.Random(7)
@@ -166,8 +194,9 @@ async def cost_batch1(setup: Setup, dialogues: int) -> dict[str, float]:
 async def cost_batch(setup: Setup, size: int, groups: int) -> dict[str, float]:
     """Ms per decision in batches of `size`: each conversation's newest turn is new, its
     earlier turns were decided by the previous batch (as in a live service)."""
-    single = setup.router(LastUserPolicy())
-    conversation = setup.router(ConversationPolicy())
+    mode = {"scoring": setup.args.cost_scoring, "threshold": 0.3}
+    single = setup.router(LastUserPolicy(), **mode)
+    conversation = setup.router(ConversationPolicy(), **mode)
     rng = random.Random(11)
     long_enough = [d for d in setup.dialogues if len(d["turns"]) >= 4]
     times: dict[str, list[float]] = {"single": [], "conversation": []}
@@ -190,44 +219,66 @@ def pct(right: int, total: int) -> str:
     return f"{100.0 * right / total:.1f}% ({right}/{total})" if total else "-"
 
 
+def parse_runs(text: str) -> list[tuple[str, float]]:
+    """`scoring@threshold,...` as (scoring, threshold) pairs."""
+    runs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        scoring, _, threshold = item.partition("@")
+        runs.append((scoring, float(threshold) if threshold else 0.3))
+    return runs
+
+
 async def run(args: argparse.Namespace) -> str:
     embedder = SentenceTransformerEmbedder(device=args.device)
     setup = Setup(args, embedder)
-    notes: list[str] = []
-    if args.scoring is not None and not setup.scoring_supported:
-        notes.append(f"`--scoring {args.scoring}` asked for, not supported by this revision")
-        args.scoring = None
     rows = []
-    policies = [("last_user", LastUserPolicy()), ("conversation", ConversationPolicy())]
-    for name, context in policies if not args.skip_accuracy else []:
-        started = time.perf_counter()
-        result = await accuracy(setup, context)
-        right = sum(r for r, _ in result.values())
-        total = sum(t for _, t in result.values())
-        rows.append(
-            [name, args.scoring or "top-K", pct(right, total), *(pct(*result[k]) for k in KINDS)]
-        )
-        print(rows[-1], f"{time.perf_counter() - started:.0f} s", flush=True)
+    loads = [os.getloadavg()[0]]
+    for scoring, threshold in parse_runs(args.runs) if not args.skip_accuracy else []:
+        for name, context in [
+            ("last_user", LastUserPolicy()),
+            ("conversation", ConversationPolicy()),
+        ]:
+            started = time.perf_counter()
+            result = await accuracy(setup, context, scoring, threshold)
+            right = sum(r for r, _ in result.values())
+            total = sum(t for _, t in result.values())
+            rows.append(
+                [name, scoring, threshold, pct(right, total), *(pct(*result[k]) for k in KINDS)]
+            )
+            print(rows[-1], f"{time.perf_counter() - started:.0f} s", flush=True)
+    loads.append(os.getloadavg()[0])
     one = await cost_batch1(setup, args.cost_dialogues)
     print("batch 1", one, flush=True)
     many = await cost_batch(setup, 256, args.cost_groups)
     print("batch 256", many, flush=True)
+    loads.append(os.getloadavg()[0])
     await embedder.aclose()
     policy = ConversationPolicy()
     lines = [
         "## Conversation-aware routing on sgd_routing dev (bench/routing_sgd.py)",
         "",
-        f"Machine: {machine()}.",
+        f"Machine: {machine()}; load average (1 min) at the start / after the accuracy runs / "
+        f"at the end: {' / '.join(f'{value:.1f}' for value in loads)}.",
         f"Command: `{command()}`.",
         f"Router: default model, per-route profiles of 20 opening utterances, top_k {args.top_k} "
-        f"mean, threshold {args.threshold}; `conversation` = `{policy!r}`. A turn counts as right "
-        "when the routed client (the default client when below threshold) is its label; each "
-        "turn is decided from the messages a request carries at that point.",
-        *(f"Note: {note}." for note in notes),
+        f"mean; `conversation` = `{policy!r}` (temperature per scoring mode: "
+        + ", ".join(f"{mode} {value}" for mode, value in DEFAULT_TEMPERATURES.items())
+        + "). A turn counts as right when the routed client (the default client when below "
+        "threshold) is its label; each turn is decided from the messages a request carries "
+        "at that point. Threshold 0.3 is the service's default; 0.2 for `prototype` is that "
+        "default moved by the gap between the two modes' best thresholds on CLINC150's "
+        "validation split (bench/clinc_threshold_gap.py, docs/conversations.md), not fitted "
+        "on this set.",
         "",
-        table(["policy", "scoring", "labelled turns", *KINDS], rows) if rows else "",
+        table(
+            ["policy", "scoring", "threshold", "labelled turns", *KINDS],
+            rows,
+        )
+        if rows
+        else "",
         "",
-        "Cost per decision (median ms; `conversation`: earlier turns decided by the "
+        "Cost per decision (median ms, the real embedder, scoring "
+        f"`{args.cost_scoring}`; `conversation`: earlier turns decided by the "
         "conversation's earlier requests, as in a service; `uncached`: no turn cache, the "
         f"whole window embedded per request). Batch 1: {args.cost_dialogues} dialogues turn "
         "by turn, the three in a random order per turn (paired: the median of per-turn "
@@ -259,8 +310,12 @@ async def run(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--top-k", type=int, default=5, help="the service's default top_k")
-    parser.add_argument("--threshold", type=float, default=0.3)
-    parser.add_argument("--scoring", default=None, help="a scoring mode, when the router has one")
+    parser.add_argument(
+        "--runs", default=RUNS, help=f"accuracy runs, scoring@threshold,... (default {RUNS})"
+    )
+    parser.add_argument(
+        "--cost-scoring", default="prototype", help="the scoring mode of the cost runs"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--cost-dialogues", type=int, default=40)
     parser.add_argument("--cost-groups", type=int, default=2)

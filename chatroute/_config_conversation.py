@@ -14,20 +14,23 @@ _Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 class ConversationConfig(BaseModel):
     """The `conversation` context policy's parameters (`routing.conversation`).
 
-    The last `window` user turns are read, each with the last `assistant_chars`
-    characters of the assistant text before it; a later turn moves the conversation to
-    another route only when that route beats the conversation's route on the turn by
-    `margin`, or by `confident_margin` when it scores at least `confident_score`.
-    `cache_size` turns' scores are kept per router (0: none). The defaults were chosen on
-    a multi-turn dev set (docs/conversations.md).
+    The last `window` user turns are read, each followed by the last `assistant_chars`
+    characters of the assistant text before it. A turn's evidence for a route is its
+    score plus `match_weight` times the route's share of the turn's nearest example
+    utterances; the conversation moves to another route only at a turn where that route
+    takes at least `switch_share` of the turn's evidence (softmax at `temperature`; null:
+    the scoring mode's default) and its path beats staying by `switch_cost`.
+    `cache_size` turns are kept per router (0: none). The defaults were chosen on a
+    multi-turn dev set (docs/conversations.md).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     window: int = Field(default=6, ge=1, le=64)
-    margin: float = Field(default=0.15, ge=0, allow_inf_nan=False)
-    confident_margin: float = Field(default=0.06, ge=0, allow_inf_nan=False)
-    confident_score: float = Field(default=0.45, allow_inf_nan=False)
+    switch_cost: float = Field(default=0.26, ge=0, allow_inf_nan=False)
+    switch_share: float = Field(default=0.5, ge=0, le=1, allow_inf_nan=False)
+    temperature: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    match_weight: float = Field(default=0.5, ge=0, allow_inf_nan=False)
     assistant_chars: int = Field(default=200, ge=0)
     cache_size: int = Field(default=65_536, ge=0)
 

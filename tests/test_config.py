@@ -279,19 +279,19 @@ def test_sessions_off_route_is_the_failover_chain_and_last_user_context() -> Non
 
 def test_conversation_parameters_reach_the_policy_and_bad_ones_name_the_key() -> None:
     data = base()
-    data["routing"]["conversation"] = {"window": 3, "margin": 0.2}
+    data["routing"]["conversation"] = {"window": 3, "switch_cost": 0.2}
     engine = build_engine(parse_config(data, environ={}), environ={}, embedder=_NoEmbedder())
     try:
         policy = engine.router.context
         assert isinstance(policy, ConversationPolicy)
-        assert (policy.window, policy.margin, policy.confident_margin) == (3, 0.2, 0.06)
+        assert (policy.window, policy.switch_cost, policy.switch_share) == (3, 0.2, 0.5)
     finally:
         asyncio.run(engine.aclose())
-    data["routing"]["conversation"] = {"window": 0, "margn": 0.1}
+    data["routing"]["conversation"] = {"window": 0, "margin": 0.1}
     with pytest.raises(ConfigError) as info:
         parse_config(data, environ={})
     paths = [path for path, _ in info.value.problems]
-    assert "routing.conversation.window" in paths and "routing.conversation.margn" in paths
+    assert "routing.conversation.window" in paths and "routing.conversation.margin" in paths
     data = base()
     data["sessions"] = {"ttl": 0}
     with pytest.raises(ConfigError) as info:

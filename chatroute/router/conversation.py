@@ -35,7 +35,12 @@ TurnScores = tuple[npt.NDArray[np.float32], tuple[RouteMatch, ...]]
 
 @runtime_checkable
 class RouteScorer(Protocol):
-    """What a context policy needs of a router (`SemanticRoutingChatClient` is one)."""
+    """What a context policy needs of a router (`SemanticRoutingChatClient` is one).
+
+    `ConversationPolicy` also reads two optional attributes when a router has them:
+    `scoring` (its mode's `name` picks the default temperature) and `score_limit` (the
+    scale of its scores, `top_k` under top-K sum aggregation).
+    """
 
     @property
     def clients(self) -> tuple[ChatClient, ...]:
@@ -78,11 +83,12 @@ class ConversationDecision(RouteDecision):
 
     - `outcome`: "new" when the conversation had no route before this turn (its first
       turn, or no earlier turn reached a threshold), "kept" when the decision stayed on
-      the conversation's route, "switched" when another route won by the margin.
+      the conversation's route, "switched" when it moved to another one (the route that
+      clearly took this turn over, or an earlier route the turns now favour again).
     - `conversation_client` / `conversation_score`: the route the conversation was on
       before this turn (None when "new") and its score on this turn.
     - `challenger_client` / `challenger_score`: the best route other than the
-      conversation's on this turn (None when there is none), the one a switch goes to.
+      conversation's on this turn (None when there is none), where a switch usually goes.
     - `turns_read`: how many user turns the decision read.
     """
 
@@ -109,26 +115,47 @@ class LastUserPolicy:
         return "LastUserPolicy()"
 
 
+# Per scoring mode: the temperature of the share a turn gives each route (see
+# `ConversationPolicy`). The scoring modes spread a turn's route scores differently
+# (prototype scores spread about a third wider than top-K's), so each mode has its own,
+# chosen on the same multi-turn dev set as the other parameters.
+DEFAULT_TEMPERATURES: dict[str, float] = {"top_k": 0.085, "prototype": 0.12, "knn": 0.075}
+FALLBACK_TEMPERATURE = 0.085  # a router that does not name a known scoring mode
+
+
 class ConversationPolicy:
     """Routes a user turn by what it says in its conversation (the service's default).
 
-    Each of the last `window` user turns is read together with the assistant text just
-    before it (the last `assistant_chars` characters of it, so a long answer can neither
-    crowd the user's words out of the model's input nor make the decision cost much more
-    than a single message's), and scored against every route (`score_routes`). Replaying
-    those turns in order gives the conversation's route: the first turn whose best route
-    reaches its threshold opens it, and a later turn moves it only when its best route
-    reaches its threshold and beats the conversation's route on that turn by `margin`,
-    or by `confident_margin` when that best route scores at least `confident_score`. The
-    last turn's decision is where the replay ends; older turns are not read, so the work
-    per request is bounded by `window`.
+    What is read: each of the last `window` user turns, followed by the last
+    `assistant_chars` characters of the assistant text just before it (so a long answer
+    can neither crowd the user's words out of the model's input nor make the decision
+    cost much more than a single message's). Each such text is scored against every
+    route (`score_routes`); a turn's *evidence* for a route is that score plus
+    `match_weight` times the route's share of the turn's nearest example utterances (the
+    sum of its matches' similarities over the number of matches), which steadies the
+    learned scoring modes on short replies.
 
-    Each turn's scores depend on its own text only, so they are kept in an LRU cache of
+    How the conversation weighs in: the turns are replayed in order as a best path over
+    routes. The first turn whose best route reaches its threshold opens the conversation
+    on that route (the single-message decision); each later turn adds its evidence to
+    every route's path, and a path may move to another route at a turn only when that
+    route takes at least `switch_share` of the turn's evidence (`softmax(evidence /
+    temperature)`), and only by paying `switch_cost`. The last turn's decision is the
+    best path's route, so a follow-up that says little keeps the conversation where it
+    is, a clear request for another route moves it, and a wrong move on a vague turn is
+    undone when the next turns favour the old route again. Older turns are not read: the
+    work per request is bounded by `window`.
+
+    `temperature` None takes the scoring mode's default (`DEFAULT_TEMPERATURES`). Under
+    top-K `sum` aggregation, whose scores grow with `top_k`, `switch_cost`, `temperature`
+    and the matches' weight are scaled by the router's `score_limit`.
+
+    Each turn's evidence depends on its own text only, so it is kept in an LRU cache of
     `cache_size` turns per router, keyed by a hash of the text: a request embeds only the
     turns not seen before (usually just the new one), all conversations of a batch in one
     embedding call. Decisions depend on the messages alone, so every replica decides a
     conversation the same way. The defaults were chosen on a multi-turn dev set with the
-    default model and the service's top-5 mean scoring (see docs/conversations.md).
+    default model (see docs/conversations.md).
     """
 
     name = "conversation"
@@ -137,32 +164,46 @@ class ConversationPolicy:
         self,
         *,
         window: int = 6,
-        margin: float = 0.15,
-        confident_margin: float = 0.06,
-        confident_score: float = 0.45,
+        switch_cost: float = 0.26,
+        switch_share: float = 0.5,
+        temperature: float | None = None,
+        match_weight: float = 0.5,
         assistant_chars: int = 200,
         cache_size: int = 65_536,
     ) -> None:
         self.window = _int_at_least("window", window, 1)
         self.assistant_chars = _int_at_least("assistant_chars", assistant_chars, 0)
         self.cache_size = _int_at_least("cache_size", cache_size, 0)
-        self.margin = _finite("margin", margin, low=0.0)
-        self.confident_margin = _finite("confident_margin", confident_margin, low=0.0)
-        self.confident_score = _finite("confident_score", confident_score, low=None)
-        self._caches: weakref.WeakKeyDictionary[object, OrderedDict[bytes, TurnScores]] = (
+        self.switch_cost = _finite("switch_cost", switch_cost, low=0.0)
+        self.switch_share = _finite("switch_share", switch_share, low=0.0, high=1.0)
+        self.match_weight = _finite("match_weight", match_weight, low=0.0)
+        self.temperature = (
+            None if temperature is None else _finite("temperature", temperature, low=1e-6)
+        )
+        self._caches: weakref.WeakKeyDictionary[object, OrderedDict[bytes, _Turn]] = (
             weakref.WeakKeyDictionary()
         )
 
     def __repr__(self) -> str:
+        temperature = "per mode" if self.temperature is None else self.temperature
         return (
-            f"ConversationPolicy(window={self.window}, margin={self.margin}, "
-            f"confident_margin={self.confident_margin}, "
-            f"confident_score={self.confident_score}, assistant_chars={self.assistant_chars})"
+            f"ConversationPolicy(window={self.window}, switch_cost={self.switch_cost}, "
+            f"switch_share={self.switch_share}, temperature={temperature}, "
+            f"match_weight={self.match_weight}, assistant_chars={self.assistant_chars})"
         )
+
+    def temperature_for(self, router: RouteScorer) -> float:
+        """The temperature used with `router`: this policy's, else its scoring mode's."""
+        if self.temperature is not None:
+            return self.temperature
+        mode = getattr(getattr(router, "scoring", None), "name", None)
+        if not isinstance(mode, str):
+            return FALLBACK_TEMPERATURE
+        return DEFAULT_TEMPERATURES.get(mode, FALLBACK_TEMPERATURE)
 
     def turn_texts(self, messages: Sequence[ChatMessage]) -> list[str]:
         """The texts this policy reads from a conversation: one per recent user turn,
-        oldest first, each the assistant text before it and the user's text."""
+        oldest first, each the user's text and the assistant text before it."""
         return [
             self._text(assistant, user) for assistant, user in _recent_turns(messages, self.window)
         ]
@@ -176,7 +217,7 @@ class ConversationPolicy:
             cut = tail.find(" ")
             if 0 <= cut < len(tail) - 1:
                 tail = tail[cut + 1 :]
-        return f"{tail}\n{user}"
+        return f"{user}\n{tail}"
 
     async def decide(
         self, router: RouteScorer, conversations: Sequence[Sequence[ChatMessage]]
@@ -186,7 +227,7 @@ class ConversationPolicy:
         if cache is None:
             cache = self._caches.setdefault(router, OrderedDict())
         keys = [[_digest(text) for text in turns] for turns in texts]
-        found: dict[bytes, TurnScores] = {}
+        found: dict[bytes, _Turn] = {}
         wanted: dict[bytes, str] = {}
         for turns, turn_keys in zip(texts, keys, strict=True):
             for text, key in zip(turns, turn_keys, strict=True):
@@ -199,31 +240,54 @@ class ConversationPolicy:
                     cache.move_to_end(key)
                     found[key] = hit
         if wanted:
+            scale = _scale(router)
+            columns = {id(client): j for j, client in enumerate(router.clients)}
             fresh = await router.score_routes(list(wanted.values()))
-            for key, scores in zip(wanted, fresh, strict=True):
-                found[key] = scores
+            for key, (scores, matches) in zip(wanted, fresh, strict=True):
+                turn = _Turn(scores, matches, self._evidence(scores, matches, columns, scale))
+                found[key] = turn
                 if self.cache_size:
-                    cache[key] = scores
+                    cache[key] = turn
             while len(cache) > self.cache_size:
                 cache.popitem(last=False)
         return [self._replay(router, [found[key] for key in turn_keys]) for turn_keys in keys]
 
-    def _replay(self, router: RouteScorer, turns: list[TurnScores]) -> RouteDecision:
+    def _evidence(
+        self,
+        scores: npt.NDArray[np.float32],
+        matches: tuple[RouteMatch, ...],
+        columns: dict[int, int],
+        scale: float,
+    ) -> npt.NDArray[np.float64] | None:
+        """A turn's evidence per route, or None when the turn has no finite score."""
+        evidence = np.where(np.isnan(scores), -np.inf, scores).astype(np.float64)
+        if not np.isfinite(evidence).any():
+            return None
+        if self.match_weight and matches:
+            weight = self.match_weight * scale / len(matches)
+            for match in matches:
+                column = columns.get(id(match.client))
+                if column is not None and math.isfinite(match.score):
+                    evidence[column] += weight * match.score
+        return evidence
+
+    def _replay(self, router: RouteScorer, turns: list[_Turn]) -> RouteDecision:
         clients = router.clients
         if not turns:
             return ConversationDecision(client=router.default_client)
         thresholds = [router.threshold_for(client) for client in clients]
-        current = -1
-        before = -1
-        for scores, _ in turns:
-            before = current
-            best = int(np.argmax(scores))
-            top = float(scores[best])
-            if not math.isfinite(top) or top < thresholds[best] or best == current:
-                continue
-            if current < 0 or top - float(scores[current]) >= self._margin_for(top):
-                current = best
-        scores, matches = turns[-1]
+        scale = _scale(router)
+        path = _Path(
+            cost=self.switch_cost * scale,
+            share=self.switch_share,
+            temperature=self.temperature_for(router) * scale,
+        )
+        for turn in turns[:-1]:
+            path.step(turn, thresholds)
+        before = path.route
+        path.step(turns[-1], thresholds)
+        current = path.route
+        scores, matches = turns[-1].scores, turns[-1].matches
         outcome: TurnOutcome = "new" if before < 0 else "kept" if current == before else "switched"
         finite = [(float(scores[j]), j) for j in range(len(clients)) if math.isfinite(scores[j])]
         if not finite:
@@ -253,8 +317,65 @@ class ConversationPolicy:
             turns_read=len(turns),
         )
 
-    def _margin_for(self, score: float) -> float:
-        return self.confident_margin if score >= self.confident_score else self.margin
+
+@dataclass(frozen=True)
+class _Turn:
+    """One turn's route scores and matches (from `score_routes`) and its evidence."""
+
+    scores: npt.NDArray[np.float32]
+    matches: tuple[RouteMatch, ...]
+    evidence: npt.NDArray[np.float64] | None
+
+
+class _Path:
+    """The best path over routes through a conversation's turns, one turn at a time.
+
+    `totals[r]` is the evidence of the best path that ends on route r; `route` is the
+    conversation's route (-1 before a turn has opened it).
+    """
+
+    __slots__ = ("cost", "route", "share", "temperature", "totals")
+
+    def __init__(self, *, cost: float, share: float, temperature: float) -> None:
+        self.cost = cost
+        self.share = share
+        self.temperature = temperature
+        self.totals: npt.NDArray[np.float64] | None = None
+        self.route = -1
+
+    def step(self, turn: _Turn, thresholds: list[float]) -> None:
+        evidence = turn.evidence
+        if evidence is None:  # a blank text or a zero-norm embedding: no evidence
+            return
+        totals = self.totals
+        if totals is None:
+            scores = turn.scores
+            best = _first_best(scores)
+            if not scores[best] >= thresholds[best]:
+                return
+            # The opening turn's route is its single-message winner; a path that starts
+            # on another route pays one move.
+            opened = evidence - self.cost
+            opened[best] = evidence[best]
+            self.totals = opened
+            self.route = best
+            return
+        top = float(evidence.max())
+        weights = np.exp((evidence - top) / self.temperature)
+        movable = weights >= self.share * float(weights.sum())
+        moved = float(totals.max()) - self.cost
+        self.totals = np.where(movable, np.maximum(totals, moved), totals) + evidence
+        self.route = _first_best(self.totals)
+
+
+def _first_best(values: npt.NDArray[np.floating]) -> int:
+    """The index of the largest value, the lowest index on ties (NaN never wins)."""
+    return int(np.argmax(np.where(np.isnan(values), -np.inf, values)))
+
+
+def _scale(router: RouteScorer) -> float:
+    limit = getattr(router, "score_limit", 1.0)
+    return float(limit) if isinstance(limit, int | float) and limit > 0 else 1.0
 
 
 def context_policy(name: str | ContextPolicy | None) -> ContextPolicy:
@@ -279,12 +400,12 @@ def _int_at_least(name: str, value: object, low: int) -> int:
     return value
 
 
-def _finite(name: str, value: object, *, low: float | None) -> float:
+def _finite(name: str, value: object, *, low: float, high: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     number = float(value)
-    if not math.isfinite(number) or (low is not None and number < low):
-        bound = "" if low is None else f" >= {low:g}"
+    if not math.isfinite(number) or number < low or (high is not None and number > high):
+        bound = f" >= {low:g}" if high is None else f" in [{low:g}, {high:g}]"
         raise ValueError(f"{name} must be a finite number{bound}, got {value}")
     return number
 
