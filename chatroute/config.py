@@ -187,10 +187,19 @@ class RoutingConfig(_Strict):
     )
     top_k: int = Field(default=5, ge=1)
     aggregation: Literal["mean", "sum", "max"] = "mean"
-    threshold: float = Field(default=0.3, allow_inf_nan=False)
+    threshold: float | None = Field(default=None, allow_inf_nan=False)
     default_route: Name
     thresholds_file: str | None = None
     index_path: str | None = None
+
+    @property
+    def score_threshold(self) -> float:
+        """`threshold`, or the scoring mode's own default when the config sets none."""
+        if self.threshold is not None:
+            return self.threshold
+        from chatroute.router.scoring import SCORING_MODES
+
+        return SCORING_MODES[self.scoring].default_threshold
 
 
 class ProviderTimeouts(_Strict):
@@ -527,7 +536,8 @@ class ChatrouteConfig(_Strict):
                         f"{routing.oos_score!r}; use one of {', '.join(offered)}",
                     )
                 )
-        if not -limit <= self.routing.threshold <= limit or math.isnan(self.routing.threshold):
+        threshold = routing.score_threshold
+        if not -limit <= threshold <= limit or math.isnan(threshold):
             problems.append(
                 (
                     "routing.threshold",

@@ -260,7 +260,7 @@ def semantic_router(engine: Engine, profile_index: ProfileIndex | None) -> Route
         engine.embedder,
         profiles,
         engine.routes[routing.default_route],
-        score_threshold=routing.threshold,
+        score_threshold=routing.score_threshold,
         top_k=routing.top_k,
         score_aggregation=ScoreAggregation(routing.aggregation),
         leave_open=True,

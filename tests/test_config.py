@@ -519,3 +519,30 @@ def test_pass_through_and_cors_take_only_what_they_mean() -> None:
     data = base()
     data["routes"]["code"]["overide"] = {"temperature": 0}
     assert any("did you mean 'override'" in p for p in problems(data))
+
+
+@pytest.mark.parametrize(
+    ("scoring", "expected"), [("top_k", 0.3), ("knn", 0.25), ("prototype", 0.2), ("adapter", 0.58)]
+)
+def test_unset_threshold_is_the_scoring_modes_own(scoring: str, expected: float) -> None:
+    data = base()
+    del data["routing"]["threshold"]
+    data["routing"]["scoring"] = scoring
+    routing = parse_config(data, environ={}).routing
+    assert routing.threshold is None
+    assert routing.score_threshold == expected
+    # A threshold the config sets wins over the mode's default.
+    data["routing"]["threshold"] = 0.42
+    assert parse_config(data, environ={}).routing.score_threshold == 0.42
+
+
+def test_the_engines_router_uses_the_modes_default_threshold() -> None:
+    data = base()
+    del data["routing"]["threshold"]
+    config = parse_config(data, environ={})
+    assert config.routing.scoring == "prototype"
+    engine = build_engine(config, environ={}, embedder=_NoEmbedder())
+    try:
+        assert engine.router.score_threshold == pytest.approx(0.2)
+    finally:
+        asyncio.run(engine.aclose())

@@ -50,7 +50,7 @@ def fingerprint(
         "default_route": routing.default_route,
         "top_k": routing.top_k,
         "aggregation": routing.aggregation,
-        "threshold": routing.threshold,
+        "threshold": routing.score_threshold,
         "route_thresholds": dict(sorted(route_thresholds.items())),
         "model": config.embedder.model,
         "scoring": scoring_mode(config),

@@ -56,6 +56,11 @@ class ScoringMode(ABC):
     name: ClassVar[str]
     oos_scores: ClassVar[tuple[str, ...]]
     trains: ClassVar[bool] = False
+    default_threshold: ClassVar[float] = 0.3
+    """The service's threshold when the config sets none: each mode's scores have their
+    own spread, so the same threshold means a different strictness in each (the values
+    are the contract's 0.3 moved by the gap between the modes' best thresholds on
+    CLINC150 val, docs/scoring.md)."""
 
     def __init__(self, *, oos_score: str | None = None) -> None:
         self._oos_score = self._check_oos_score(oos_score)
@@ -159,6 +164,7 @@ class KnnScoring(ScoringMode):
 
     name = "knn"
     oos_scores = ("route", "nearest")
+    default_threshold = 0.25
 
     def __init__(self, *, temperature: float = 0.07, oos_score: str | None = None) -> None:
         super().__init__(oos_score=oos_score)
@@ -212,6 +218,7 @@ class PrototypeScoring(ScoringMode):
     name = "prototype"
     oos_scores = ("prototype", "centroid", "nearest", "blend")
     trains = True
+    default_threshold = 0.2
 
     def __init__(
         self,
@@ -347,6 +354,7 @@ class AdapterScoring(ScoringMode):
     name = "adapter"
     oos_scores = ("route", "nearest")
     trains = True
+    default_threshold = 0.58
 
     def __init__(
         self,
