@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from chatroute.index import ProfileIndex, TrainedHead
+from chatroute.router import head_training as training
 
 __all__ = [
     "SCORING_MODES",
@@ -168,7 +169,7 @@ class KnnScoring(ScoringMode):
 
     def __init__(self, *, temperature: float = 0.07, oos_score: str | None = None) -> None:
         super().__init__(oos_score=oos_score)
-        self.temperature = _positive(temperature, "temperature")
+        self.temperature = training.positive(temperature, "temperature")
 
     def training_settings(self) -> dict[str, Any]:
         return {"temperature": self.temperature}
@@ -194,7 +195,40 @@ class KnnScoring(ScoringMode):
         return clipped
 
 
-class PrototypeScoring(ScoringMode):
+class _GradientTrained(ScoringMode):
+    """A mode whose head is trained by seeded gradient steps on the profile vectors."""
+
+    trains = True
+    min_batch_size: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        *,
+        temperature: float,
+        steps: int,
+        learning_rate: float,
+        batch_size: int,
+        seed: int,
+        oos_score: str | None,
+    ) -> None:
+        super().__init__(oos_score=oos_score)
+        self.temperature = training.positive(temperature, "temperature")
+        self.learning_rate = training.positive(learning_rate, "learning_rate")
+        self.steps = training.count(steps, "steps", minimum=0)
+        self.batch_size = training.count(batch_size, "batch_size", minimum=self.min_batch_size)
+        self.seed = training.count(seed, "seed", minimum=0)
+
+    def training_settings(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "steps": self.steps,
+            "learning_rate": self.learning_rate,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
+
+
+class PrototypeScoring(_GradientTrained):
     """One learned unit vector (prototype) per route, scored by cosine.
 
     Training (when the profile index is built): each prototype starts at the normalised
@@ -217,7 +251,6 @@ class PrototypeScoring(ScoringMode):
 
     name = "prototype"
     oos_scores = ("prototype", "centroid", "nearest", "blend")
-    trains = True
     default_threshold = 0.2
 
     def __init__(
@@ -230,26 +263,19 @@ class PrototypeScoring(ScoringMode):
         seed: int = 0,
         oos_score: str | None = None,
     ) -> None:
-        super().__init__(oos_score=oos_score)
-        self.temperature = _positive(temperature, "temperature")
-        self.learning_rate = _positive(learning_rate, "learning_rate")
-        self.steps = _count(steps, "steps", minimum=0)
-        self.batch_size = _count(batch_size, "batch_size", minimum=1)
-        self.seed = _count(seed, "seed", minimum=0)
-
-    def training_settings(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "steps": self.steps,
-            "learning_rate": self.learning_rate,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-        }
+        super().__init__(
+            temperature=temperature,
+            steps=steps,
+            learning_rate=learning_rate,
+            batch_size=batch_size,
+            seed=seed,
+            oos_score=oos_score,
+        )
 
     def train(self, vectors: Float32Array, groups: Int64Array, key: str) -> TrainedHead:
         routes = int(groups.max()) + 1
-        centroids = _centroids(vectors, groups, routes)
-        prototypes = _train_cosine_classifier(
+        centroids = training.centroids(vectors, groups, routes)
+        prototypes = training.train_cosine_classifier(
             vectors,
             groups,
             centroids,
@@ -259,7 +285,7 @@ class PrototypeScoring(ScoringMode):
             batch_size=self.batch_size,
             seed=self.seed,
         )
-        _tie_identical_routes(prototypes, vectors, groups, routes)
+        training.tie_identical_routes(prototypes, vectors, groups, routes)
         return TrainedHead(
             self.name,
             self.training_settings(),
@@ -331,7 +357,7 @@ class PrototypeScoring(ScoringMode):
         return result
 
 
-class AdapterScoring(ScoringMode):
+class AdapterScoring(_GradientTrained):
     """A linear adapter on the frozen embeddings, then one centroid per route in its space.
 
     Training (when the profile index is built): a d x d matrix W starts at the identity,
@@ -353,7 +379,7 @@ class AdapterScoring(ScoringMode):
 
     name = "adapter"
     oos_scores = ("route", "nearest")
-    trains = True
+    min_batch_size = 2
     default_threshold = 0.58
 
     def __init__(
@@ -366,25 +392,18 @@ class AdapterScoring(ScoringMode):
         seed: int = 0,
         oos_score: str | None = None,
     ) -> None:
-        super().__init__(oos_score=oos_score)
-        self.temperature = _positive(temperature, "temperature")
-        self.learning_rate = _positive(learning_rate, "learning_rate")
-        self.steps = _count(steps, "steps", minimum=0)
-        self.batch_size = _count(batch_size, "batch_size", minimum=2)
-        self.seed = _count(seed, "seed", minimum=0)
-
-    def training_settings(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "steps": self.steps,
-            "learning_rate": self.learning_rate,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-        }
+        super().__init__(
+            temperature=temperature,
+            steps=steps,
+            learning_rate=learning_rate,
+            batch_size=batch_size,
+            seed=seed,
+            oos_score=oos_score,
+        )
 
     def train(self, vectors: Float32Array, groups: Int64Array, key: str) -> TrainedHead:
         routes = int(groups.max()) + 1
-        adapter = _train_adapter(
+        adapter = training.train_adapter(
             vectors,
             groups,
             temperature=self.temperature,
@@ -395,9 +414,11 @@ class AdapterScoring(ScoringMode):
         )
         adapted = np.empty_like(vectors)
         for start in range(0, vectors.shape[0], 8192):
-            adapted[start : start + 8192] = _unit_rows(vectors[start : start + 8192] @ adapter)
-        centroids = _centroids(adapted, groups, routes)
-        _tie_identical_routes(centroids, vectors, groups, routes)
+            adapted[start : start + 8192] = training.unit_rows(
+                vectors[start : start + 8192] @ adapter
+            )
+        centroids = training.centroids(adapted, groups, routes)
+        training.tie_identical_routes(centroids, vectors, groups, routes)
         return TrainedHead(
             self.name, self.training_settings(), key, {"adapter": adapter, "centroids": centroids}
         )
@@ -521,168 +542,3 @@ def _cosines(
         "ij,ij->i", queries, vectors[ids].astype(np.float64)
     )
     return cosines
-
-
-# -- training -----------------------------------------------------------------------------
-
-
-def _centroids(vectors: Float32Array, groups: Int64Array, routes: int) -> Float32Array:
-    order = np.argsort(groups, kind="stable")
-    starts = np.searchsorted(groups[order], np.arange(routes))
-    sums = np.add.reduceat(vectors[order].astype(np.float64), starts, axis=0)
-    norms = np.linalg.norm(sums, axis=1)
-    first = order[starts]
-    # Utterances that cancel out (v and -v) leave no direction: fall back to the first one.
-    empty = norms < 1e-6
-    sums[empty] = vectors[first[empty]]
-    norms[empty] = np.linalg.norm(sums[empty], axis=1)
-    unit: Float32Array = (sums / norms[:, None]).astype(np.float32)
-    return unit
-
-
-def _train_cosine_classifier(
-    vectors: Float32Array,
-    groups: Int64Array,
-    init: Float32Array,
-    *,
-    temperature: float,
-    steps: int,
-    learning_rate: float,
-    batch_size: int,
-    seed: int,
-) -> Float32Array:
-    routes = init.shape[0]
-    weights = init.astype(np.float32, copy=True)
-    if routes < 2 or steps == 0:
-        return weights
-    frozen = np.bincount(groups, minlength=routes) < 2  # a lone utterance is its prototype
-    first_moment = np.zeros_like(weights)
-    second_moment = np.zeros_like(weights)
-    beta1, beta2, scale = 0.9, 0.999, np.float32(1.0 / temperature)
-    rng = np.random.default_rng(seed)
-    rows = vectors.shape[0]
-    for step in range(1, steps + 1):
-        if rows > batch_size:
-            pick = np.sort(rng.choice(rows, batch_size, replace=False))
-            batch, labels = vectors[pick], groups[pick]
-        else:
-            batch, labels = vectors, groups
-        norms = np.linalg.norm(weights, axis=1, keepdims=True)
-        unit = weights / norms
-        logits = (batch @ unit.T) * scale
-        logits -= logits.max(axis=1, keepdims=True)
-        probabilities = np.exp(logits)
-        probabilities /= probabilities.sum(axis=1, keepdims=True)
-        probabilities[np.arange(len(labels)), labels] -= 1.0
-        probabilities *= scale / len(labels)
-        grad_unit = (batch.T @ probabilities).T
-        grad = (grad_unit - unit * np.einsum("ij,ij->i", grad_unit, unit)[:, None]) / norms
-        grad[frozen] = 0.0
-        first_moment = beta1 * first_moment + (1.0 - beta1) * grad
-        second_moment = beta2 * second_moment + (1.0 - beta2) * grad * grad
-        corrected = first_moment / (1.0 - beta1**step)
-        spread = np.sqrt(second_moment / (1.0 - beta2**step)) + 1e-8
-        weights -= (learning_rate * corrected / spread).astype(np.float32)
-    norms = np.linalg.norm(weights, axis=1, keepdims=True)
-    out = (weights / np.where(norms > 0.0, norms, 1.0)).astype(np.float32)
-    bad = ~np.isfinite(out).all(axis=1) | (norms[:, 0] <= 0.0)
-    out[bad] = init[bad]  # never a NaN prototype: such a route keeps its centroid
-    out[frozen] = init[frozen]
-    return out
-
-
-def _unit_rows(rows: Float32Array) -> Float32Array:
-    """`rows` scaled to unit length (a zero row stays zero)."""
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    unit: Float32Array = (rows / np.where(norms > 0.0, norms, 1.0)).astype(np.float32)
-    return unit
-
-
-def _train_adapter(
-    vectors: Float32Array,
-    groups: Int64Array,
-    *,
-    temperature: float,
-    steps: int,
-    learning_rate: float,
-    batch_size: int,
-    seed: int,
-) -> Float32Array:
-    """A (d, d) map trained with a supervised contrastive loss, from the identity."""
-    dimension = vectors.shape[1]
-    weights = np.eye(dimension, dtype=np.float32)
-    if steps == 0:
-        return weights
-    first_moment = np.zeros_like(weights)
-    second_moment = np.zeros_like(weights)
-    beta1, beta2, scale = 0.9, 0.999, np.float32(1.0 / temperature)
-    rng = np.random.default_rng(seed)
-    rows = vectors.shape[0]
-    for step in range(1, steps + 1):
-        if rows > batch_size:
-            pick = np.sort(rng.choice(rows, batch_size, replace=False))
-            batch, labels = vectors[pick], groups[pick]
-        else:
-            batch, labels = vectors, groups
-        adapted = batch @ weights
-        norms = np.linalg.norm(adapted, axis=1, keepdims=True)
-        norms = np.maximum(norms, np.float32(1e-12))
-        unit = adapted / norms
-        logits = (unit @ unit.T) * scale
-        np.fill_diagonal(logits, -np.inf)  # an anchor is not its own candidate
-        logits -= logits.max(axis=1, keepdims=True)
-        probabilities = np.exp(logits)
-        probabilities /= probabilities.sum(axis=1, keepdims=True)
-        positive = labels[:, None] == labels[None, :]
-        np.fill_diagonal(positive, False)
-        counts = positive.sum(axis=1)
-        anchors = int((counts > 0).sum())  # a lone utterance in the batch has no positive
-        if anchors == 0:
-            continue
-        # d(loss)/d(logits) per anchor: softmax minus the positives' uniform target.
-        grad_logits = probabilities - positive / np.maximum(counts, 1)[:, None]
-        grad_logits[counts == 0] = 0.0
-        grad_logits *= scale / anchors
-        grad_unit = (grad_logits + grad_logits.T) @ unit
-        grad_adapted = (grad_unit - unit * np.einsum("ij,ij->i", grad_unit, unit)[:, None]) / norms
-        grad = batch.T @ grad_adapted
-        first_moment = beta1 * first_moment + (1.0 - beta1) * grad
-        second_moment = beta2 * second_moment + (1.0 - beta2) * grad * grad
-        corrected = first_moment / (1.0 - beta1**step)
-        spread = np.sqrt(second_moment / (1.0 - beta2**step)) + 1e-8
-        weights -= (learning_rate * corrected / spread).astype(np.float32)
-    if not np.isfinite(weights).all():  # never a NaN score: fall back to the identity
-        return np.eye(dimension, dtype=np.float32)
-    return weights
-
-
-def _tie_identical_routes(
-    prototypes: Float32Array, vectors: Float32Array, groups: Int64Array, routes: int
-) -> None:
-    """Routes whose profile vectors are the same multiset get the first one's prototype."""
-    seen: dict[bytes, int] = {}
-    order = np.argsort(groups, kind="stable")
-    bounds = np.searchsorted(groups[order], np.arange(routes + 1))
-    for route in range(routes):
-        rows = vectors[order[bounds[route] : bounds[route + 1]]]
-        signature = np.ascontiguousarray(rows[np.lexsort(rows.T[::-1])]).tobytes()
-        first = seen.setdefault(signature, route)
-        if first != route:
-            prototypes[route] = prototypes[first]
-
-
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    number = float(value)
-    if not np.isfinite(number) or number <= 0.0:
-        raise ValueError(f"{name} must be a finite number above 0, got {value}")
-    return number
-
-
-def _count(value: Any, name: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
