@@ -255,6 +255,8 @@ def test_ctrl_c_says_how_to_resume_and_the_rerun_completes(
 ) -> None:
     # Interrupted as soon as its first batch is written: the subprocess only loads the
     # model and decides a batch or two; the resumed run (in this process) does the rest.
+    # Batches of one row keep the subprocess's whole run several seconds long, so that a
+    # loaded machine delaying the signal cannot let it finish first.
     rows = 480
     source = tmp_path / "in.jsonl"
     texts = sentences(rows)
@@ -265,7 +267,7 @@ def test_ctrl_c_says_how_to_resume_and_the_rerun_completes(
     code = "import sys; from chatroute.cli import main; sys.argv[0] = 'chatroute'; main()"
     process = subprocess.Popen(
         [sys.executable, "-c", code, "classify", "-c", str(plain), str(source), "-o", str(out),
-         "--batch-size", "8", "--no-progress"],
+         "--batch-size", "1", "--no-progress"],
         stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     while not out.exists() or out.stat().st_size == 0:
