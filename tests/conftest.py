@@ -9,10 +9,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 # Under `pytest -n N` the workers share the machine's cores: each worker, and each process
 # its tests start (a CLI, a Ray actor), runs torch on one thread, so that the workers' threads
@@ -100,6 +102,22 @@ def default_embedder() -> Iterator[Callable[[], EmbeddingGenerator]]:
     yield borrow
     for embedder in loaded:
         embedder.close()
+
+
+@pytest.fixture
+def config_file(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    default_embedder: Callable[[], EmbeddingGenerator],
+) -> Path:
+    """The CLI tests' config (`classify_helpers.CONFIG`) in a file; every engine a command
+    builds borrows the session's model instead of loading its own."""
+    from classify_helpers import CONFIG
+
+    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
+    path = tmp_path / "chatroute.yaml"
+    path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
+    return path
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import yaml
 from classify_helpers import CONFIG, read_rows, sentences, write_rows
 from typer.testing import CliRunner
 
-from chatroute.chat import EmbeddingGenerator
 from chatroute.cli import app
 
 runner = CliRunner()
@@ -33,18 +31,6 @@ TEXTS = [
     "write a function that reverses a string",
 ]
 ROUTES = ["code", "math", "general", "general", "code"]
-
-
-@pytest.fixture
-def config_file(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    default_embedder: Callable[[], EmbeddingGenerator],
-) -> Path:
-    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
-    path = tmp_path / "chatroute.yaml"
-    path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
-    return path
 
 
 def run(*args: Any, stdin: bytes | None = None) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from classify_helpers import CONFIG
 from typer.testing import CliRunner
 
 from chatroute.chat import EmbeddingGenerator
@@ -16,43 +17,6 @@ from chatroute.cli import app
 from chatroute.cli.classify import parse_input_line, resume_point
 
 runner = CliRunner()
-
-CONFIG: dict[str, Any] = {
-    "routing": {"top_k": 3, "threshold": 0.25, "default_route": "general"},
-    "providers": {"p": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
-    "routes": {
-        "code": {
-            "utterances": [
-                "fix this bug in my python code",
-                "write a function that sorts a list",
-                "why does my program crash with an exception",
-            ],
-            "targets": ["p"],
-        },
-        "math": {
-            "utterances": [
-                "solve this equation for x",
-                "compute the integral of x squared",
-                "what is the derivative of sine",
-            ],
-            "targets": ["p"],
-        },
-        "general": {"utterances": ["hello, how are you"], "targets": ["p"]},
-    },
-}
-
-
-@pytest.fixture
-def config_file(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    default_embedder: Callable[[], EmbeddingGenerator],
-) -> Path:
-    # Every command builds an engine; lend them the session's model instead of reloading it.
-    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: default_embedder())
-    path = tmp_path / "chatroute.yaml"
-    path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
-    return path
 
 
 def run(*args: str) -> Any:

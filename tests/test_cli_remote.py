@@ -12,38 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from classify_helpers import CONFIG
 from typer.testing import CliRunner
 
 from chatroute.chat import EmbeddingGenerator
 from chatroute.cli import app
 from chatroute.config import parse_config
-from chatroute.server import build_engine, create_app
+from chatroute.server import create_app
 
 KEY = "cli-key-0123456789"
-CONFIG: dict[str, Any] = {
-    "routing": {"top_k": 3, "threshold": 0.25, "default_route": "general"},
-    "providers": {"p": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
-    "routes": {
-        "code": {
-            "utterances": [
-                "fix this bug in my python code",
-                "write a function that sorts a list",
-                "why does my program crash with an exception",
-            ],
-            "targets": ["p"],
-        },
-        "math": {
-            "utterances": [
-                "solve this equation for x",
-                "compute the integral of x squared",
-                "what is the derivative of sine",
-            ],
-            "targets": ["p"],
-        },
-        "general": {"utterances": ["hello, how are you"], "targets": ["p"]},
-    },
-}
 runner = CliRunner()
 
 
@@ -59,20 +36,6 @@ def service(
     service_app = create_app(config, api_keys=[KEY], environ={}, embedder=default_embedder())
     with serve_app(service_app) as url:
         yield url
-
-
-@pytest.fixture
-def config_file(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    default_embedder: Callable[[], EmbeddingGenerator],
-) -> Path:
-    # Lend the session's model to the engine the command builds (wherever the engine lives).
-    where = f"{build_engine.__module__}.build_embedder"
-    monkeypatch.setattr(where, lambda config: default_embedder())
-    path = tmp_path / "chatroute.yaml"
-    path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
-    return path
 
 
 def _closed_port() -> int:

@@ -3,6 +3,7 @@ and the adapter's linear map, each deterministic for its seed; and the settings'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,17 +43,9 @@ def train_cosine_classifier(
     if routes < 2 or steps == 0:
         return weights
     frozen = np.bincount(groups, minlength=routes) < 2  # a lone utterance is its prototype
-    first_moment = np.zeros_like(weights)
-    second_moment = np.zeros_like(weights)
-    beta1, beta2, scale = 0.9, 0.999, np.float32(1.0 / temperature)
-    rng = np.random.default_rng(seed)
-    rows = vectors.shape[0]
-    for step in range(1, steps + 1):
-        if rows > batch_size:
-            pick = np.sort(rng.choice(rows, batch_size, replace=False))
-            batch, labels = vectors[pick], groups[pick]
-        else:
-            batch, labels = vectors, groups
+    adam = _Adam(weights, learning_rate)
+    scale = np.float32(1.0 / temperature)
+    for step, batch, labels in _minibatches(vectors, groups, steps, batch_size, seed):
         norms = np.linalg.norm(weights, axis=1, keepdims=True)
         unit = weights / norms
         logits = (batch @ unit.T) * scale
@@ -64,11 +57,7 @@ def train_cosine_classifier(
         grad_unit = (batch.T @ probabilities).T
         grad = (grad_unit - unit * np.einsum("ij,ij->i", grad_unit, unit)[:, None]) / norms
         grad[frozen] = 0.0
-        first_moment = beta1 * first_moment + (1.0 - beta1) * grad
-        second_moment = beta2 * second_moment + (1.0 - beta2) * grad * grad
-        corrected = first_moment / (1.0 - beta1**step)
-        spread = np.sqrt(second_moment / (1.0 - beta2**step)) + 1e-8
-        weights -= (learning_rate * corrected / spread).astype(np.float32)
+        adam.step(grad, step)
     norms = np.linalg.norm(weights, axis=1, keepdims=True)
     out = (weights / np.where(norms > 0.0, norms, 1.0)).astype(np.float32)
     bad = ~np.isfinite(out).all(axis=1) | (norms[:, 0] <= 0.0)
@@ -99,17 +88,9 @@ def train_adapter(
     weights = np.eye(dimension, dtype=np.float32)
     if steps == 0:
         return weights
-    first_moment = np.zeros_like(weights)
-    second_moment = np.zeros_like(weights)
-    beta1, beta2, scale = 0.9, 0.999, np.float32(1.0 / temperature)
-    rng = np.random.default_rng(seed)
-    rows = vectors.shape[0]
-    for step in range(1, steps + 1):
-        if rows > batch_size:
-            pick = np.sort(rng.choice(rows, batch_size, replace=False))
-            batch, labels = vectors[pick], groups[pick]
-        else:
-            batch, labels = vectors, groups
+    adam = _Adam(weights, learning_rate)
+    scale = np.float32(1.0 / temperature)
+    for step, batch, labels in _minibatches(vectors, groups, steps, batch_size, seed):
         adapted = batch @ weights
         norms = np.linalg.norm(adapted, axis=1, keepdims=True)
         norms = np.maximum(norms, np.float32(1e-12))
@@ -132,11 +113,7 @@ def train_adapter(
         grad_unit = (grad_logits + grad_logits.T) @ unit
         grad_adapted = (grad_unit - unit * np.einsum("ij,ij->i", grad_unit, unit)[:, None]) / norms
         grad = batch.T @ grad_adapted
-        first_moment = beta1 * first_moment + (1.0 - beta1) * grad
-        second_moment = beta2 * second_moment + (1.0 - beta2) * grad * grad
-        corrected = first_moment / (1.0 - beta1**step)
-        spread = np.sqrt(second_moment / (1.0 - beta2**step)) + 1e-8
-        weights -= (learning_rate * corrected / spread).astype(np.float32)
+        adam.step(grad, step)
     if not np.isfinite(weights).all():  # never a NaN score: fall back to the identity
         return np.eye(dimension, dtype=np.float32)
     return weights
@@ -172,3 +149,37 @@ def count(value: Any, name: str, *, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return value
+
+
+def _minibatches(
+    vectors: Float32Array, groups: Int64Array, steps: int, batch_size: int, seed: int
+) -> Iterator[tuple[int, Float32Array, Int64Array]]:
+    """(step from 1, rows, labels) for `steps` steps: all rows, or `batch_size` rows drawn
+    for each step."""
+    rng = np.random.default_rng(seed)
+    rows = vectors.shape[0]
+    for step in range(1, steps + 1):
+        if rows > batch_size:
+            pick = np.sort(rng.choice(rows, batch_size, replace=False))
+            yield step, vectors[pick], groups[pick]
+        else:
+            yield step, vectors, groups
+
+
+class _Adam:
+    """Adam (beta 0.9 / 0.999) updating `weights` in place; `step` (from 1) sets the bias
+    correction, so a skipped step still counts."""
+
+    def __init__(self, weights: Float32Array, learning_rate: float) -> None:
+        self.weights = weights
+        self.learning_rate = learning_rate
+        self.first_moment: npt.NDArray[Any] = np.zeros_like(weights)
+        self.second_moment: npt.NDArray[Any] = np.zeros_like(weights)
+
+    def step(self, grad: npt.NDArray[Any], step: int) -> None:
+        beta1, beta2 = 0.9, 0.999
+        self.first_moment = beta1 * self.first_moment + (1.0 - beta1) * grad
+        self.second_moment = beta2 * self.second_moment + (1.0 - beta2) * grad * grad
+        corrected = self.first_moment / (1.0 - beta1**step)
+        spread = np.sqrt(self.second_moment / (1.0 - beta2**step)) + 1e-8
+        self.weights -= (self.learning_rate * corrected / spread).astype(np.float32)
