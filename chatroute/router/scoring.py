@@ -18,6 +18,7 @@ compared with is the mode's "out-of-scope score" (`oos_score`), one of `oos_scor
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -40,9 +41,13 @@ __all__ = [
 
 Float32Array = npt.NDArray[np.float32]
 Int64Array = npt.NDArray[np.int64]
+# One query's ranked columns, their scores, the winner's column, its score, its gated score.
+OneScored = tuple[list[int], list[float], int, float, float]
 
 # Route scores this close to the best count as a tie; ties go to the route listed first.
 TIE_TOLERANCE = 1e-6
+# What `rank_one` writes over a column it has picked.
+_PICKED = np.float32(-np.inf)
 
 
 class ScoringMode(ABC):
@@ -117,6 +122,35 @@ class ScoringMode(ABC):
         rows = 0 if winners.shape[0] == 1 else np.arange(scores.shape[0])
         gated: Float32Array = scores[rows, winners]
         return gated
+
+    def score_one(
+        self,
+        state: Any,
+        query: Float32Array,
+        nearest: float,
+        nearest_id: int,
+        shown: int,
+        gate: str,
+    ) -> OneScored:
+        """One L2-normalised query's ranking and gated score, as a one-row batch gives them.
+
+        Returns the `shown` best columns (best first, as `rank_columns` orders them), their
+        scores, the winner's column (`pick_winners`), its score and its `gate` score. Dense
+        modes may override it with fewer array calls; the values must stay the batch's.
+        """
+        queries = query[None, :]
+        row = self.route_scores(state, queries)[0]
+        top, values, winner, best = rank_one(row, shown)
+        gated = self.gate(
+            state,
+            queries,
+            row[None, :],
+            np.array([winner]),
+            np.array([nearest], dtype=np.float32),
+            gate,
+            np.array([nearest_id]),
+        )
+        return top, values, winner, best, float(gated[0])
 
     def __repr__(self) -> str:
         items = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
@@ -317,6 +351,30 @@ class PrototypeScoring(_GradientTrained):
         scores: Float32Array = (queries.astype(np.float64) @ prototypes_t).astype(np.float32)
         return scores
 
+    def score_one(
+        self,
+        state: Any,
+        query: Float32Array,
+        nearest: float,
+        nearest_id: int,
+        shown: int,
+        gate: str,
+    ) -> OneScored:
+        prototypes_t, centroids, vectors = state
+        wide = query.astype(np.float64)  # the float64 query every product below reads
+        top, values, winner, best = rank_one(np.dot(wide, prototypes_t).astype(np.float32), shown)
+        if gate == "prototype":
+            return top, values, winner, best, best
+        if gate == "nearest":
+            value = float(np.dot(vectors[nearest_id].astype(np.float64), wide))
+        else:  # the products and sums of `gate`'s one-query branch, in its order
+            value = float(np.dot(centroids[winner], wide))
+            if gate == "blend":
+                value += best
+                value += float(np.dot(vectors[nearest_id].astype(np.float64), wide))
+                value /= 3.0
+        return top, values, winner, best, float(np.float32(value))
+
     def gate(
         self,
         state: Any,
@@ -451,6 +509,26 @@ class AdapterScoring(_GradientTrained):
         scores: Float32Array = (adapted @ centroids_t).astype(np.float32)
         return scores
 
+    def score_one(
+        self,
+        state: Any,
+        query: Float32Array,
+        nearest: float,
+        nearest_id: int,
+        shown: int,
+        gate: str,
+    ) -> OneScored:
+        adapter, centroids_t, vectors = state
+        wide = query.astype(np.float64)
+        adapted = np.dot(wide, adapter)[None, :]  # `route_scores`' one-query products
+        norm = float(np.sqrt(np.einsum("ij,ij->i", adapted, adapted))[0])
+        adapted /= norm if norm > 0.0 else 1.0
+        top, values, winner, best = rank_one((adapted @ centroids_t).astype(np.float32)[0], shown)
+        if gate == "nearest":
+            value = float(np.dot(vectors[nearest_id].astype(np.float64), wide))
+            return top, values, winner, best, float(np.float32(value))
+        return top, values, winner, best, best
+
     def gate(
         self,
         state: Any,
@@ -494,6 +572,46 @@ def make_scoring(spec: str | ScoringMode, *, oos_score: str | None = None) -> Sc
         valid = ", ".join(repr(name) for name in SCORING_MODES)
         raise ValueError(f"unknown scoring mode {spec!r}; valid modes: {valid}")
     return kind(oos_score=oos_score)
+
+
+def rank_columns(scores: Float32Array, shown: int) -> Int64Array:
+    """Each row's `shown` best columns, best first (up to 256 columns: ties to the lowest)."""
+    columns = scores.shape[1]
+    if scores.shape[0] == 1 and columns <= 256:  # one query: a 1-D sort is cheaper
+        return np.argsort(-scores[0], kind="stable")[None, :shown]
+    if columns <= 256:  # a full sort of a short row beats partitioning it
+        return np.argsort(-scores, axis=1, kind="stable")[:, :shown]
+    if shown < columns:
+        top = np.argpartition(-scores, shown - 1, axis=1)[:, :shown]
+        order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
+        return np.take_along_axis(top, order, axis=1)
+    return np.argsort(-scores, axis=1, kind="stable")
+
+
+def rank_one(row: Float32Array, shown: int) -> tuple[list[int], list[float], int, float]:
+    """One score row's `rank_columns` ranking, its scores, and its `pick_winners` winner.
+
+    Up to 256 columns and 8 shown, repeated argmax picks (each the first best of what is
+    left, so ties go to the lowest column, as the stable sort orders them) replace the sort.
+    """
+    top: list[int] = []
+    values: list[float] = []
+    if row.shape[0] <= 256 and shown <= 8:
+        work = row.copy()
+        for _ in range(shown):
+            column = int(work.argmax())
+            top.append(column)
+            values.append(work.item(column))
+            work[column] = _PICKED
+    # Fewer than `shown` scores above -inf (the last pick read -inf) or a NaN (argmax
+    # returns the first NaN): the sort's own order.
+    if not top or values[-1] == -math.inf or math.isnan(values[0]):
+        top = rank_columns(row[None, :], shown)[0].tolist()
+        values = row[top].tolist()
+    if shown >= 2 and values[1] < values[0] - TIE_TOLERANCE:
+        return top, values, top[0], values[0]
+    winner = int(pick_winners(row[None, :])[0])
+    return top, values, winner, float(row[winner])
 
 
 def pick_winners(scores: Float32Array, ranked: Int64Array | None = None) -> Int64Array:

@@ -28,15 +28,13 @@ from chatroute.router.base import RoutingChatClient, close_each_once
 from chatroute.router.context import RoutingContext
 from chatroute.router.conversation import ContextPolicy, LastUserPolicy, context_policy
 from chatroute.router.decision import RouteDecision, RouteMatch, ScoreAggregation
+from chatroute.router.learned import LearnedDecisions
 from chatroute.router.route_scores import RouteGather, dense_route_scores
-from chatroute.router.scoring import ScoringMode, TopKScoring, make_scoring, pick_winners
+from chatroute.router.scoring import ScoringMode, TopKScoring, make_scoring
 
 __all__ = ["SemanticRoutingChatClient"]
 
 logger = logging.getLogger("chatroute.router")
-
-# Routes a learned mode reports in `RouteDecision.scores` (at least; `top_k` if larger).
-_REPORTED_ROUTES = 5
 
 # Searches or builds bigger than this many vector elements leave the event loop for a thread.
 _OFFLOAD_ELEMENTS = 1 << 22
@@ -178,6 +176,16 @@ class SemanticRoutingChatClient(RoutingChatClient):
         self._aggregation = score_aggregation
         self._leave_open = bool(leave_open)
         self._route_thresholds = self._check_route_thresholds(route_thresholds, limit)
+        self._learned = LearnedDecisions(
+            mode,
+            self._routes,
+            self._column_routes,
+            self._pair_routes,
+            self._utterances,
+            threshold,
+            self._route_thresholds,
+            top_k,
+        )
         self._index_device = _resolve_index_device(index_device, embedding_generator)
         self._index_backend: Backend = index_backend
         self._index: ProfileIndex | None = None
@@ -469,8 +477,9 @@ class SemanticRoutingChatClient(RoutingChatClient):
         if not live.any():
             return [self._fallback() for _ in range(rows)]
         k = min(self._top_k, len(index))
+        offload = normalized.shape[0] * len(index) >= _OFFLOAD_ELEMENTS
         if isinstance(self._scoring, TopKScoring):
-            if normalized.shape[0] * len(index) >= _OFFLOAD_ELEMENTS:
+            if offload:
                 scores, ids = await asyncio.to_thread(index.search, normalized, k, normalized=True)
             else:
                 scores, ids = index.search(normalized, k, normalized=True)
@@ -479,80 +488,20 @@ class SemanticRoutingChatClient(RoutingChatClient):
                 for row in range(rows)
             ]
         gate = oos_score or self._scoring.oos_score
-        if normalized.shape[0] * len(index) >= _OFFLOAD_ELEMENTS:
-            parts = await asyncio.to_thread(self._score, index, normalized, k, gate)
+        learned = self._learned
+        if rows == 1:  # the latency path: the mode's one-query scoring (a live row, see above)
+            if offload:
+                return [
+                    await asyncio.to_thread(learned.one, self._state, index, normalized, k, gate)
+                ]
+            return [learned.one(self._state, index, normalized, k, gate)]
+        if offload:
+            parts = await asyncio.to_thread(learned.score, self._state, index, normalized, k, gate)
         else:
-            parts = self._score(index, normalized, k, gate)
+            parts = learned.score(self._state, index, normalized, k, gate)
         return [
-            self._learned_decision(parts, row) if live[row] else self._fallback()
-            for row in range(rows)
+            learned.decision(parts, row) if live[row] else self._fallback() for row in range(rows)
         ]
-
-    def _score(
-        self, index: ProfileIndex, queries: npt.NDArray[np.float32], k: int, gate: str
-    ) -> tuple[Any, ...]:
-        """Matches, route scores, winners, gated scores and reported columns of a batch."""
-        mode = self._scoring
-        match_scores, match_ids = index.search(queries, k, normalized=True)
-        scores = mode.route_scores(self._state, queries)
-        columns = scores.shape[1]
-        shown = min(columns, max(self._top_k, _REPORTED_ROUTES))
-        if scores.shape[0] == 1 and columns <= 256:  # one query: a 1-D sort is cheaper
-            top = np.argsort(-scores[0], kind="stable")[None, :shown]
-        elif columns <= 256:  # a full sort of a short row beats partitioning it
-            top = np.argsort(-scores, axis=1, kind="stable")[:, :shown]
-        elif shown < columns:
-            top = np.argpartition(-scores, shown - 1, axis=1)[:, :shown]
-            order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
-            top = np.take_along_axis(top, order, axis=1)
-        else:
-            top = np.argsort(-scores, axis=1, kind="stable")
-        winners = pick_winners(scores, top)
-        gated = mode.gate(
-            self._state, queries, scores, winners, match_scores[:, 0], gate, match_ids[:, 0]
-        )
-        return (
-            match_scores.tolist(),
-            match_ids.tolist(),
-            scores,
-            winners.tolist(),
-            gated.tolist(),
-            top.tolist(),
-        )
-
-    def _learned_decision(self, parts: tuple[Any, ...], row: int) -> RouteDecision:
-        match_scores, match_ids, scores, winners, gated, top = parts
-        routes, column_routes = self._routes, self._column_routes
-        winner_column = winners[row]
-        route_scores = scores[row]
-        best_route = column_routes[winner_column]
-        reported = {routes[best_route]: float(route_scores[winner_column])}
-        for column in top[row]:
-            if column != winner_column:
-                reported[routes[column_routes[column]]] = float(route_scores[column])
-        matches = tuple(
-            RouteMatch(
-                client=routes[self._pair_routes[raw_id]],
-                utterance=self._utterances[raw_id],
-                score=raw_score,
-                profile_index=raw_id,
-            )
-            for raw_score, raw_id in zip(match_scores[row], match_ids[row], strict=True)
-        )
-        score = gated[row]
-        threshold = self._route_thresholds.get(best_route, self._threshold)
-        passed = score >= threshold
-        winner = routes[best_route]
-        return RouteDecision(
-            client=winner if passed else self._default,
-            score=score,
-            scores=reported,
-            matches=matches,
-            is_default=not passed,
-            winner=winner,
-            threshold=threshold,
-            scoring=self._scoring.name,
-        )
 
     def _decision(
         self, scores: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]
