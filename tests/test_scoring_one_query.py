@@ -47,10 +47,16 @@ def test_the_one_row_ranking_is_the_sort_and_the_tie_rule(seed: int, columns: in
     rng = np.random.default_rng(seed * 1000 + columns)
     for case in range(6):
         row = awkward_row(rng, columns, case)
+        before = row.copy()  # the ranking leaves its input as it was
+        # A float64 row (as the modes compute it) is ranked by its float32 rounding.
+        wide = row.astype(np.float64) + rng.uniform(-1e-9, 1e-9, columns)
+        rounded = wide.astype(np.float32)
         for shown in sorted(s for s in {1, 2, 5, 8, 10, columns} if s <= columns):
             top, values, winner = batch_ranking(row, shown)
-            got = rank_one(row.copy(), shown)
-            assert got == (top, values, winner, float(row[winner])), (case, shown)
+            assert rank_one(row, shown) == (top, values, winner, float(row[winner])), case
+            top, values, winner = batch_ranking(rounded, shown)
+            assert rank_one(wide, shown) == (top, values, winner, float(rounded[winner])), case
+        assert np.array_equal(row, before) and np.array_equal(wide.astype(np.float32), rounded)
 
 
 def test_a_nan_score_ranks_as_the_sort_ranks_it() -> None:

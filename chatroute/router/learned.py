@@ -64,7 +64,8 @@ class LearnedDecisions:
     def score(
         self, state: Any, index: ProfileIndex, queries: npt.NDArray[np.float32], k: int, gate: str
     ) -> tuple[Any, ...]:
-        """Matches, route scores, winners, gated scores and reported columns of a batch."""
+        """A batch's matches, reported columns and their scores, winners, their scores and
+        gated scores, as lists (one item per query row)."""
         mode = self.mode
         match_scores, match_ids = index.search(queries, k, normalized=True)
         scores = mode.route_scores(state, queries)
@@ -73,36 +74,27 @@ class LearnedDecisions:
         gated = mode.gate(
             state, queries, scores, winners, match_scores[:, 0], gate, match_ids[:, 0]
         )
+        best = scores[np.arange(scores.shape[0]), winners]
         return (
             match_scores.tolist(),
             match_ids.tolist(),
-            scores,
-            winners.tolist(),
-            gated.tolist(),
             top.tolist(),
+            np.take_along_axis(scores, top, axis=1).tolist(),
+            winners.tolist(),
+            best.tolist(),
+            gated.tolist(),
         )
 
     def decision(self, parts: tuple[Any, ...], row: int) -> RouteDecision:
         """Row `row`'s decision from a batch's `score` parts."""
-        match_scores, match_ids, scores, winners, gated, top = parts
-        route_scores = scores[row]
-        winner = winners[row]
-        return self._decision(
-            match_scores[row],
-            match_ids[row],
-            top[row],
-            route_scores[top[row]].tolist(),
-            winner,
-            float(route_scores[winner]),
-            gated[row],
-        )
+        return self._decision(*[part[row] for part in parts])
 
     def one(
         self, state: Any, index: ProfileIndex, queries: npt.NDArray[np.float32], k: int, gate: str
     ) -> RouteDecision:
         """The decision for one L2-normalised query row (the same as in any batch)."""
         match_scores, match_ids = index.search(queries, k, normalized=True)
-        scores, ids = match_scores[0].tolist(), match_ids[0].tolist()
+        scores, ids = match_scores.tolist()[0], match_ids.tolist()[0]
         top, values, winner, best, gated = self.mode.score_one(
             state, queries[0], scores[0], ids[0], self.shown, gate
         )

@@ -362,16 +362,17 @@ class PrototypeScoring(_GradientTrained):
     ) -> OneScored:
         prototypes_t, centroids, vectors = state
         wide = query.astype(np.float64)  # the float64 query every product below reads
-        top, values, winner, best = rank_one(np.dot(wide, prototypes_t).astype(np.float32), shown)
+        top, values, winner, best = rank_one(np.dot(wide, prototypes_t), shown)
         if gate == "prototype":
             return top, values, winner, best, best
+        # `gate`'s one-query products and sums, in its order (np.dot widens a float32 row).
         if gate == "nearest":
-            value = float(np.dot(vectors[nearest_id].astype(np.float64), wide))
-        else:  # the products and sums of `gate`'s one-query branch, in its order
+            value = float(np.dot(vectors[nearest_id], wide))
+        else:
             value = float(np.dot(centroids[winner], wide))
             if gate == "blend":
                 value += best
-                value += float(np.dot(vectors[nearest_id].astype(np.float64), wide))
+                value += float(np.dot(vectors[nearest_id], wide))
                 value /= 3.0
         return top, values, winner, best, float(np.float32(value))
 
@@ -523,9 +524,9 @@ class AdapterScoring(_GradientTrained):
         adapted = np.dot(wide, adapter)[None, :]  # `route_scores`' one-query products
         norm = float(np.sqrt(np.einsum("ij,ij->i", adapted, adapted))[0])
         adapted /= norm if norm > 0.0 else 1.0
-        top, values, winner, best = rank_one((adapted @ centroids_t).astype(np.float32)[0], shown)
+        top, values, winner, best = rank_one((adapted @ centroids_t)[0], shown)
         if gate == "nearest":
-            value = float(np.dot(vectors[nearest_id].astype(np.float64), wide))
+            value = float(np.dot(vectors[nearest_id], wide))
             return top, values, winner, best, float(np.float32(value))
         return top, values, winner, best, best
 
@@ -588,16 +589,17 @@ def rank_columns(scores: Float32Array, shown: int) -> Int64Array:
     return np.argsort(-scores, axis=1, kind="stable")
 
 
-def rank_one(row: Float32Array, shown: int) -> tuple[list[int], list[float], int, float]:
+def rank_one(row: npt.NDArray[Any], shown: int) -> tuple[list[int], list[float], int, float]:
     """One score row's `rank_columns` ranking, its scores, and its `pick_winners` winner.
 
+    `row` is read as float32 (a float64 row is rounded first, as `route_scores` rounds it).
     Up to 256 columns and 8 shown, repeated argmax picks (each the first best of what is
     left, so ties go to the lowest column, as the stable sort orders them) replace the sort.
     """
+    work = row.astype(np.float32)  # a copy: picked columns are overwritten below
     top: list[int] = []
     values: list[float] = []
-    if row.shape[0] <= 256 and shown <= 8:
-        work = row.copy()
+    if work.shape[0] <= 256 and shown <= 8:
         for _ in range(shown):
             column = int(work.argmax())
             top.append(column)
@@ -606,12 +608,14 @@ def rank_one(row: Float32Array, shown: int) -> tuple[list[int], list[float], int
     # Fewer than `shown` scores above -inf (the last pick read -inf) or a NaN (argmax
     # returns the first NaN): the sort's own order.
     if not top or values[-1] == -math.inf or math.isnan(values[0]):
-        top = rank_columns(row[None, :], shown)[0].tolist()
-        values = row[top].tolist()
+        work = row.astype(np.float32)
+        top = rank_columns(work[None, :], shown)[0].tolist()
+        values = work[top].tolist()
     if shown >= 2 and values[1] < values[0] - TIE_TOLERANCE:
         return top, values, top[0], values[0]
-    winner = int(pick_winners(row[None, :])[0])
-    return top, values, winner, float(row[winner])
+    work = row.astype(np.float32)
+    winner = int(pick_winners(work[None, :])[0])
+    return top, values, winner, work.item(winner)
 
 
 def pick_winners(scores: Float32Array, ranked: Int64Array | None = None) -> Int64Array:
