@@ -22,10 +22,11 @@ REPORTED_ROUTES = 5
 class LearnedDecisions:
     """A router's learned-mode decisions, with its route tables laid out per score column.
 
-    `column_routes[c]` is the route (an index into `routes`) of score column c and
-    `pair_routes[i]` the route of profile row i. The winner is the best column (ties within
-    `TIE_TOLERANCE` go to the lowest), its gated score is compared with its route's
-    threshold, and a decision reports the winner and the best `shown` columns' scores.
+    `routes[0]` is the default client, `column_routes[c]` the route (an index into
+    `routes`) of score column c and `pair_routes[i]` the route of profile row i. The winner
+    is the best column (ties within `TIE_TOLERANCE` go to the lowest), its gated score is
+    compared with its route's threshold, and a decision reports the winner and the best
+    `shown` columns' scores.
     """
 
     __slots__ = (

@@ -55,8 +55,10 @@ class ScoringMode(ABC):
 
     Subclasses set `name`, `oos_scores` and, if they learn, `trains = True` with
     `training_settings` and `train`; dense modes implement `prepare` and `route_scores`
-    (one score per route column for each query row). Scores are float32 computed in
-    float64, so that a query's scores do not depend on the batch it came in.
+    (one score per route column for each query row), and may override `score_one` (a
+    single query's decision values, with fewer array calls than a one-row batch). Scores
+    are float32 computed in float64, so that a query's scores do not depend on the batch
+    it came in.
     """
 
     name: ClassVar[str]
