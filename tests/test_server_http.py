@@ -1,4 +1,5 @@
-"""The HTTP protocol the service runs on, over real sockets: head limits and pipelining."""
+"""The HTTP protocol the service runs on, over real sockets: head limits, pipelining, and
+its coalesced writes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import time
 from typing import Any
 
-from chatroute.server.connection import MAX_HEAD_BYTES
+from chatroute.server.connection import MAX_HEAD_BYTES, CoalescingTransport
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -148,3 +149,104 @@ def test_pipelined_requests_are_answered_in_order_also_after_a_large_body(
         b'{"path":"/small","size":2}',
         b'{"path":"/last","size":0}',
     ]
+
+
+class _RecordingTransport:
+    """A transport that records what it is asked to send."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.sent.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 7
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 5000) if name == "peername" else default
+
+
+async def test_writes_made_in_one_step_of_the_loop_leave_in_one_send() -> None:
+    inner = _RecordingTransport()
+    transport = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n"
+    transport.write(head)
+    transport.write(b"body")
+    assert inner.sent == []  # held until the step ends
+    assert transport.get_write_buffer_size() == 7 + len(head) + 4
+    await asyncio.sleep(0)
+    assert inner.sent == [head + b"body"]
+    transport.write(b"next")  # a later step: its own send
+    await asyncio.sleep(0)
+    assert inner.sent[1:] == [b"next"]
+    transport.write(b"last words")  # closing hands the pending bytes on first
+    transport.close()
+    assert inner.sent[2:] == [b"last words"] and inner.closed
+    await asyncio.sleep(0)  # the scheduled flush finds nothing left to send
+    assert len(inner.sent) == 3
+    assert transport.get_extra_info("peername") == ("127.0.0.1", 5000)  # the rest is inner's
+
+
+async def test_a_writer_that_never_yields_is_handed_on_past_the_bound() -> None:
+    inner = _RecordingTransport()
+    transport = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+    chunk = b"x" * 1000
+    for _ in range(CoalescingTransport.MAX_PENDING // len(chunk) + 1):
+        transport.write(chunk)  # the real transport's flow control must see these
+    assert sum(map(len, inner.sent)) > CoalescingTransport.MAX_PENDING
+    transport.write(b"tail")
+    transport.abort()  # an abort drops what is pending
+    await asyncio.sleep(0)
+    assert inner.aborted and b"tail" not in b"".join(inner.sent)
+
+
+async def _stream_app(scope: Any, receive: Any, send: Any) -> None:
+    """Streams one chunk, then a second only once the caller has asked for it."""
+    if scope["type"] == "lifespan":
+        await _app(scope, receive, send)
+        return
+    if scope["path"] == "/go":
+        _GO.set()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    headers = [(b"content-type", b"text/event-stream")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+    await asyncio.wait_for(_GO.wait(), 10)  # never set unless the first chunk went out
+    await send({"type": "http.response.body", "body": b"data: two\n\n"})
+
+
+_GO = asyncio.Event()
+
+
+def test_a_streamed_chunk_goes_out_without_waiting_for_the_next(serve_app: Any) -> None:
+    global _GO
+    _GO = asyncio.Event()
+    with serve_app(_stream_app) as url, _connect(url) as sock, _connect(url) as other:
+        sock.sendall(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        received = b""
+        while b"data: one" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, "the connection closed before the first chunk"
+            received += chunk
+        assert b"data: two" not in received
+        other.sendall(b"GET /go HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert _read_until_closed(other).startswith(b"HTTP/1.1 204")
+        while b"data: two" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, "the connection closed before the second chunk"
+            received += chunk

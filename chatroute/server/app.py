@@ -32,7 +32,7 @@ from chatroute.server.reload import (
     watch_sighup,
 )
 from chatroute.server.request_log import RequestLog
-from chatroute.server.routes import install_routes
+from chatroute.server.routes import hot_paths_first, install_routes
 from chatroute.server.service import Service
 from chatroute.server.startup import log_startup, startup_summary
 from chatroute.server.wire import ChatCompletionRequest
@@ -221,6 +221,7 @@ def create_app(
     if config_path is not None:
         install_reload(app, admin_key(config, env))
         app.add_middleware(ReloadMiddleware, reloader=lambda: app.state.reloader)
+    hot_paths_first(app)
     if otel is not None:
         from chatroute.otel import OTelMiddleware
 

@@ -7,7 +7,7 @@ from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["MAX_HEAD_BYTES", "GuardedHttpProtocol", "http_protocol"]
+__all__ = ["MAX_HEAD_BYTES", "CoalescingTransport", "GuardedHttpProtocol", "http_protocol"]
 
 MAX_HEAD_BYTES: Final = 64 * 1024
 """The most a request's target and headers may take; httptools itself sets no limit."""
@@ -28,7 +28,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
       head (slowloris) cannot hold a connection. The wait between requests on a kept-alive
       connection stays uvicorn's `timeout_keep_alive`.
 
-    Give `http_protocol(head_timeout)` as uvicorn's `http` setting.
+    Its writes go through a `CoalescingTransport`. Give `http_protocol(head_timeout)` as
+    uvicorn's `http` setting.
     """
 
     head_timeout: float = 10.0
@@ -40,7 +41,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,6 +119,68 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing():
             self.logger.info("Request head not complete within %g s.", self.head_timeout)
             self.transport.close()
+
+
+class CoalescingTransport:
+    """A connection's transport whose writes within one step of the event loop leave in
+    one send: a response's head and its body (or first chunk) reach the caller as one
+    segment, so it wakes once for them instead of twice (uvicorn writes the head on its own).
+
+    Pending bytes past `MAX_PENDING` are handed on at once, so that the real transport's
+    flow control still sees a producer that never yields. Everything else is the wrapped
+    transport's.
+    """
+
+    MAX_PENDING: Final = 64 * 1024
+
+    __slots__ = ("_loop", "_pending", "_size", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(data)
+        self._size += len(data)
+        if self._size > self.MAX_PENDING:
+            self.flush()
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def flush(self) -> None:
+        """Hand the pending bytes to the transport (the callback the first write schedules)."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._size = [], 0
+        if not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + self._size
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._pending, self._size = [], 0
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def http_protocol(

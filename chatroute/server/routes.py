@@ -154,5 +154,14 @@ def install_routes(app: FastAPI) -> None:
     )
 
 
+def hot_paths_first(app: FastAPI) -> None:
+    """Put the chat and routing paths first in the app's routes: a request is matched
+    against the routes in order, and these take nearly all the traffic (FastAPI's docs
+    routes come first otherwise, about 50 µs of matching per chat request). No two of
+    the service's paths overlap, so the order changes no answer."""
+    hot = {CHAT_PATH: 0, "/v1/route": 1, "/v1/classify": 2}
+    app.router.routes.sort(key=lambda route: hot.get(getattr(route, "path", ""), len(hot)))
+
+
 CHAT_REQUEST_SCHEMA: Final = "#/components/schemas/ChatCompletionRequest"
 """Where the OpenAPI document holds the chat request's schema (added by `ChatrouteApp`)."""
