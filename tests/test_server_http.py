@@ -179,38 +179,44 @@ class _RecordingTransport:
         return ("127.0.0.1", 5000) if name == "peername" else default
 
 
-async def test_writes_made_in_one_step_of_the_loop_leave_in_one_send() -> None:
+async def test_a_response_head_leaves_with_the_write_after_it_in_one_send() -> None:
     inner = _RecordingTransport()
     transport = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+    transport.write(b"before")  # nothing held: straight through
+    assert inner.sent == [b"before"]
     head = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n"
+    transport.hold_next()
     transport.write(head)
-    transport.write(b"body")
-    assert inner.sent == []  # held until the step ends
-    assert transport.get_write_buffer_size() == 7 + len(head) + 4
-    await asyncio.sleep(0)
-    assert inner.sent == [head + b"body"]
-    transport.write(b"next")  # a later step: its own send
-    await asyncio.sleep(0)
-    assert inner.sent[1:] == [b"next"]
-    transport.write(b"last words")  # closing hands the pending bytes on first
-    transport.close()
-    assert inner.sent[2:] == [b"last words"] and inner.closed
+    assert inner.sent == [b"before"]  # held
+    assert transport.get_write_buffer_size() == 7 + len(head)
+    transport.write(b"body")  # leaves with the head, at once
+    assert inner.sent == [b"before", head + b"body"]
+    transport.write(b"next")
+    assert inner.sent[2:] == [b"next"]
     await asyncio.sleep(0)  # the scheduled flush finds nothing left to send
     assert len(inner.sent) == 3
     assert transport.get_extra_info("peername") == ("127.0.0.1", 5000)  # the rest is inner's
 
 
-async def test_a_writer_that_never_yields_is_handed_on_past_the_bound() -> None:
+async def test_a_head_alone_in_its_step_leaves_at_the_end_of_the_step() -> None:
+    loop = asyncio.get_running_loop()
     inner = _RecordingTransport()
-    transport = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
-    chunk = b"x" * 1000
-    for _ in range(CoalescingTransport.MAX_PENDING // len(chunk) + 1):
-        transport.write(chunk)  # the real transport's flow control must see these
-    assert sum(map(len, inner.sent)) > CoalescingTransport.MAX_PENDING
-    transport.write(b"tail")
-    transport.abort()  # an abort drops what is pending
+    transport = CoalescingTransport(inner, loop)  # type: ignore[arg-type]
+    transport.hold_next()
+    transport.write(b"head")
     await asyncio.sleep(0)
-    assert inner.aborted and b"tail" not in b"".join(inner.sent)
+    assert inner.sent == [b"head"]
+    transport.hold_next()
+    transport.write(b"last words")  # closing hands a held write on first
+    transport.close()
+    assert inner.sent[1:] == [b"last words"] and inner.closed
+    other = _RecordingTransport()
+    aborted = CoalescingTransport(other, loop)  # type: ignore[arg-type]
+    aborted.hold_next()
+    aborted.write(b"dropped")
+    aborted.abort()  # an abort drops it
+    await asyncio.sleep(0)
+    assert other.aborted and other.sent == []
 
 
 async def _stream_app(scope: Any, receive: Any, send: Any) -> None:

@@ -41,7 +41,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+        self._writer = CoalescingTransport(transport, self.loop)
+        super().connection_made(self._writer)  # type: ignore[arg-type]
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -80,6 +81,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_head_timer()
+        self._writer.hold_next()  # the answer's head leaves with its body
         super().on_headers_complete()
 
     def _count(self, size: int) -> None:
@@ -122,50 +124,55 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 class CoalescingTransport:
-    """A connection's transport whose writes within one step of the event loop leave in
-    one send: a response's head and its body (or first chunk) reach the caller as one
-    segment, so it wakes once for them instead of twice (uvicorn writes the head on its own).
+    """A connection's transport that sends a response's head together with what follows it.
 
-    Pending bytes past `MAX_PENDING` are handed on at once, so that the real transport's
-    flow control still sees a producer that never yields. Everything else is the wrapped
-    transport's.
+    uvicorn writes a head on its own, so a caller would wake once for the head and again
+    for the body. After `hold_next()` (called when a request's head is complete), the next
+    write (the response's head) is held: the write after it leaves with it in one send, at
+    once; without one in the same step of the event loop, the head leaves on its own at
+    the end of the step. Every other write goes straight through, and everything else is
+    the wrapped transport's.
     """
 
-    MAX_PENDING: Final = 64 * 1024
-
-    __slots__ = ("_loop", "_pending", "_size", "_transport")
+    __slots__ = ("_held", "_hold", "_loop", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._pending: list[bytes] = []
-        self._size = 0
+        self._hold = False
+        self._held: bytes | None = None
+
+    def hold_next(self) -> None:
+        """Hold the next write until the one after it (or the end of the loop's step)."""
+        self._hold = True
 
     def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self._pending:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif self._hold and data:
+            self._hold = False
+            self._held = bytes(data)
             self._loop.call_soon(self.flush)
-        self._pending.append(data)
-        self._size += len(data)
-        if self._size > self.MAX_PENDING:
-            self.flush()
+        else:
+            self._transport.write(data)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
             self.write(data)
 
     def flush(self) -> None:
-        """Hand the pending bytes to the transport (the callback the first write schedules)."""
-        pending = self._pending
-        if not pending:
-            return
-        self._pending, self._size = [], 0
-        if not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        """Send a held write now (the callback a held write schedules)."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._size
+        held = self._held
+        return self._transport.get_write_buffer_size() + (len(held) if held else 0)
 
     def close(self) -> None:
         self.flush()
@@ -176,7 +183,7 @@ class CoalescingTransport:
         self._transport.write_eof()
 
     def abort(self) -> None:
-        self._pending, self._size = [], 0
+        self._held = None
         self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
