@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -84,6 +86,33 @@ class FakeEmbeddingGenerator(EmbeddingGenerator):
     def texts_embedded(self) -> list[str]:
         """Every text sent to the generator, over all calls."""
         return [text for call in self.calls for text in call]
+
+
+class BagOfWordsEmbedder(EmbeddingGenerator):
+    """Deterministic hashed bag-of-words vectors; counts its generate calls.
+
+    `delay`: seconds each call takes (on the event loop), for runs that must last a while.
+    """
+
+    def __init__(self, dim: int = 256, delay: float = 0.0) -> None:
+        self.dim = dim
+        self.delay = delay
+        self.calls: list[list[str]] = []
+        self.closed = False
+
+    async def generate(self, values: Sequence[str]) -> np.ndarray:
+        self.calls.append(list(values))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        out = np.zeros((len(values), self.dim), dtype=np.float32)
+        for row, text in enumerate(values):
+            for word in re.findall(r"[a-z]+", text.lower()):
+                digest = hashlib.sha256(word.encode()).digest()
+                out[row, int.from_bytes(digest[:4], "little") % self.dim] += 1.0
+        return out
+
+    async def aclose(self) -> None:
+        self.closed = True
 
 
 class NamedClient(ChatClient):

@@ -20,8 +20,10 @@ from classify_helpers import CONFIG, read_rows, sentences, write_rows
 from typer.testing import CliRunner
 
 from chatroute.cli import app
+from tests.semantic_doubles import BagOfWordsEmbedder
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 
 TEXTS = [
     "my python program crashes with an exception",
@@ -237,24 +239,30 @@ def test_messages_rows_are_routed_on_their_last_user_turn(
 
 
 def test_ctrl_c_says_how_to_resume_and_the_rerun_completes(
-    config_file: Path, tmp_path: Path
+    config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Interrupted as soon as its first batch is written: the subprocess only loads the
-    # model and decides a batch or two; the resumed run (in this process) does the rest.
-    # Batches of one row keep the subprocess's whole run several seconds long, so that a
-    # loaded machine delaying the signal cannot let it finish first.
+    # The real command line in a subprocess, interrupted by a real SIGINT as soon as its
+    # first batch is written; the resumed run (in this process) does the rest. Decisions
+    # come from a hashed bag-of-words double (the test is about interrupting and resuming,
+    # not the model): neither process loads a model. Batches of one row, each taking
+    # 20 ms, keep the subprocess's whole run several seconds long, so that a loaded
+    # machine delaying the signal cannot let it finish first.
     rows = 480
     source = tmp_path / "in.jsonl"
     texts = sentences(rows)
     write_rows(source, [{"input": t} for t in texts], "jsonl")
     out = tmp_path / "out.jsonl"
-    plain = tmp_path / "plain.yaml"  # the real command loads its own model
-    plain.write_text(config_file.read_text(), encoding="utf-8")
-    code = "import sys; from chatroute.cli import main; sys.argv[0] = 'chatroute'; main()"
+    code = (
+        "import sys; import chatroute.engine; from tests.semantic_doubles import "
+        "BagOfWordsEmbedder; chatroute.engine.build_embedder = lambda config: "
+        "BagOfWordsEmbedder(delay=0.02); from chatroute.cli import main; "
+        "sys.argv[0] = 'chatroute'; main()"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "classify", "-c", str(plain), str(source), "-o", str(out),
-         "--batch-size", "1", "--no-progress"],
-        stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [sys.executable, "-c", code, "classify", "-c", str(config_file), str(source), "-o",
+         str(out), "--batch-size", "1", "--no-progress"],
+        stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     while not out.exists() or out.stat().st_size == 0:
         assert process.poll() is None, process.stderr.read() if process.stderr else ""
@@ -265,7 +273,8 @@ def test_ctrl_c_says_how_to_resume_and_the_rerun_completes(
     assert b"rerun the same command to resume" in err
     written = read_rows(out, "jsonl")
     assert 0 < len(written) < rows
-    result = run("classify", "-c", plain, source, "-o", out, "--no-progress")
+    monkeypatch.setattr("chatroute.engine.build_embedder", lambda config: BagOfWordsEmbedder())
+    result = run("classify", "-c", config_file, source, "-o", out, "--no-progress")
     assert result.exit_code == 0, result.output
     assert f"resumed after line {written[-1]['line']}" in result.output
     assert [r["line"] for r in read_rows(out, "jsonl")] == list(range(1, rows + 1))

@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import yaml
 from classify_helpers import CONFIG, read_rows, write_rows
 from typer.testing import CliRunner
 
 from chatroute.chat import EmbeddingGenerator
 from chatroute.cli import app
-from chatroute.cli.classify_ray import start_local_ray
+from chatroute.cli.classify_command import ClassifyOptions
+from chatroute.cli.classify_ray import LOCAL_CPUS, _cpus_per_actor, start_local_ray
 
 runner = CliRunner()
 # More rows than one read block (the Ray source reads blocks of at least 1024 rows), in
-# batches spread over two actors; short texts, so that the model's time stays small.
+# batches of 128; short texts, so that the model's time stays small.
 ROWS = 1100
 _TOPICS = ["python bug", "sort a list", "integral", "derivative", "hello friend", "weather"]
 
@@ -58,6 +58,8 @@ def _descendants(root: int) -> set[int]:
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[set[str]]:
     """One local Ray instance for the module; yields the addresses its processes listen on."""
+    import ray  # imported here: only the process that runs this module needs it
+
     start_local_ray(cpus=2)
     try:
         pids = _descendants(os.getpid()) | {os.getpid()}
@@ -84,6 +86,8 @@ def run(*args: Any) -> Any:
 
 
 def test_the_local_instance_listens_on_loopback_only(local_ray: set[str]) -> None:
+    import ray
+
     assert local_ray  # the GCS, the raylet and the workers were found
     assert local_ray <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, local_ray
     assert ray.cluster_resources()["CPU"] == 2
@@ -106,7 +110,7 @@ def test_ray_decisions_equal_the_local_engine_row_for_row(
     summaries = {name: tmp_path / f"{name}.json" for name in ("ray", "local")}
     result = run(
         "classify", "-c", config_file, source, "-o", tmp_path / "ray", "--engine", "ray",
-        "--num-actors", 2, "--batch-size", 128, "--scores", "--summary", summaries["ray"],
+        "--num-actors", 1, "--batch-size", 128, "--scores", "--summary", summaries["ray"],
         "--max-bad", 2, "--no-progress",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -139,6 +143,19 @@ def test_ray_decisions_equal_the_local_engine_row_for_row(
         (r["route"], r["count"]) for r in local_summary["routes"]
     ]
     assert ray_summary["engine"] == "ray" and ray_summary["bad"] == 2
+
+
+def test_local_actors_split_the_local_instances_cpus() -> None:
+    # The row-for-row run above uses one actor (each actor loads the model: most of the
+    # module's time); that several actors fit a local instance's CPUs is checked here.
+    def share(**options: Any) -> float:
+        return _cpus_per_actor(ClassifyOptions("in.jsonl", "out", engine="ray", **options))
+
+    assert share(num_actors=1) == LOCAL_CPUS
+    assert share(num_actors=2) * 2 == LOCAL_CPUS
+    assert share(num_actors=8) == 0.5
+    assert share(num_actors=2, ray_address="10.0.0.1:6379") == 1.0  # one CPU on a cluster
+    assert share(num_actors=2, cpus_per_actor=0.25) == 0.25
 
 
 def test_too_many_bad_rows_stop_the_ray_run(

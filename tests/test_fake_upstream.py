@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -369,7 +370,7 @@ async def test_cut_non_streaming_mid_body(up: FakeUpstream) -> None:
 async def test_stall_after_n_chunks_until_the_client_leaves(up: FakeUpstream) -> None:
     up.script(Stall(1))
     async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(5, read=1.0)) as client,
+        httpx.AsyncClient(timeout=httpx.Timeout(5, read=0.5)) as client,
         client.stream(
             "POST",
             up.base_url + "/chat/completions",
@@ -384,6 +385,36 @@ async def test_stall_after_n_chunks_until_the_client_leaves(up: FakeUpstream) ->
     assert seen == ["", "one "]
     await up.await_disconnect(0)
     assert up.requests[0].chunks_sent == 1
+
+
+async def test_a_paused_stream_sends_the_rest_once_resumed(up: FakeUpstream) -> None:
+    resume = threading.Event()
+    up.script(Ok("one two three", paused_after=1, resume=resume))
+    async with (
+        httpx.AsyncClient(timeout=5) as client,
+        client.stream(
+            "POST",
+            up.base_url + "/chat/completions",
+            json={"model": "m", "messages": MESSAGES, "stream": True},
+        ) as response,
+    ):
+        lines = response.aiter_lines()
+        seen: list[str] = []
+        while seen != ["", "one "]:
+            line = await anext(lines)
+            if line.startswith("data: {"):
+                seen.append(json.loads(line[6:])["choices"][0]["delta"]["content"])
+        await asyncio.sleep(0.1)
+        assert up.requests[0].chunks_sent == 1  # nothing more until resumed
+        resume.set()
+        rest = [line async for line in lines if line]
+    assert [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in rest[:-1]] == [
+        "two ",
+        "three",
+        None,  # the finishing chunk
+    ]
+    assert rest[-1] == "data: [DONE]"
+    assert up.requests[0].chunks_sent == 3
 
 
 @pytest.mark.parametrize(("at", "before_error"), [(0, [""]), (2, ["", "one ", "two "])])

@@ -102,7 +102,8 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> No
 def test_a_stream_finishes_on_the_old_config_while_new_requests_see_the_new(
     running: Running,
 ) -> None:
-    running.upstreams["primary"].default = Ok(WORDS, chunk_delay=0.1)
+    resume = threading.Event()  # the stream pauses after its first word until the reload is done
+    running.upstreams["primary"].default = Ok(WORDS, paused_after=1, resume=resume)
     old_engine = running.app.state.service.engine
     raw = running.client.chat.completions.with_raw_response.create(
         model="old-only", messages=[{"role": "user", "content": "hi"}], stream=True
@@ -136,6 +137,7 @@ def test_a_stream_finishes_on_the_old_config_while_new_requests_see_the_new(
 
     # The stream in flight was not cut: it ends on the old config's provider.
     assert not old_engine.providers["primary"]._closed  # closed only after the stream
+    resume.set()
     rest = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert (head + rest).split() == WORDS.split()
     assert running.upstreams["primary"].attempts == 1

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
-import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -21,7 +18,6 @@ from chatroute.chat import (
     ChatResponse,
     ChatResponseUpdate,
     ChatRole,
-    EmbeddingGenerator,
     FunctionCallContent,
     FunctionResultContent,
     TextContent,
@@ -33,29 +29,9 @@ from chatroute.errors import kind_for_status
 from chatroute.providers import ProviderError, ProviderStatusError, StreamInterruptedError
 from chatroute.server import build_engine, create_app
 from chatroute.server.wire import StreamEncoder
+from tests.semantic_doubles import BagOfWordsEmbedder
 
 # ------------------------------------------------------------------------------ doubles
-
-
-class BagOfWordsEmbedder(EmbeddingGenerator):
-    """Deterministic hashed bag-of-words vectors; counts its generate calls."""
-
-    def __init__(self, dim: int = 256) -> None:
-        self.dim = dim
-        self.calls: list[list[str]] = []
-        self.closed = False
-
-    async def generate(self, values: Sequence[str]) -> np.ndarray:
-        self.calls.append(list(values))
-        out = np.zeros((len(values), self.dim), dtype=np.float32)
-        for row, text in enumerate(values):
-            for word in re.findall(r"[a-z]+", text.lower()):
-                digest = hashlib.sha256(word.encode()).digest()
-                out[row, int.from_bytes(digest[:4], "little") % self.dim] += 1.0
-        return out
-
-    async def aclose(self) -> None:
-        self.closed = True
 
 
 def upstream_error(status: int, message: str, code: str | None = None) -> ProviderError:

@@ -36,10 +36,12 @@ the fake's own thread); otherwise ``default``. ``pending`` counts the unconsumed
   ``role_chunk=False``; ``empty_choices_first`` and ``keepalives`` add non-content events
   before it. Timing: ``delay`` (before the status line), ``first_token_delay`` (after the
   role delta, before the first content chunk; non-streaming: before the status line too),
-  ``chunk_delay`` (between content chunks). Usage is sent in non-streaming answers always,
-  in streams only when the request asked for ``stream_options.include_usage`` (a final chunk
-  with empty ``choices``). Faults on an ``Ok``: ``cut_after=N`` (send N content chunks, then
-  close the connection abruptly mid-body; ``rst=True`` resets instead), ``stall_after=N``
+  ``chunk_delay`` (between content chunks), ``paused_after=N`` with ``resume`` (a
+  ``threading.Event``: after N content chunks, send nothing more until it is set). Usage
+  is sent in non-streaming answers always, in streams only when the request asked for
+  ``stream_options.include_usage`` (a final chunk with empty ``choices``). Faults on an
+  ``Ok``: ``cut_after=N`` (send N content chunks, then close the connection abruptly
+  mid-body; ``rst=True`` resets instead), ``stall_after=N``
   (send N content chunks, then send nothing until the client leaves), ``malformed_at=N``
   (content chunk N is not JSON), ``error_at=N`` (an SSE ``{"error": ...}`` event replaces
   content chunk N and the stream ends without ``[DONE]``), ``finish_reason=None`` (no
@@ -179,6 +181,8 @@ class Ok(Behaviour):
     delay: float = 0.0
     first_token_delay: float = 0.0
     chunk_delay: float = 0.0
+    paused_after: int | None = None
+    resume: threading.Event | None = None
     role_chunk: bool = True
     empty_choices_first: bool = False
     keepalives: int = 0
@@ -1143,6 +1147,9 @@ class FakeUpstream:
                 return False
             if i > 0:
                 await conn.sleep(ok.chunk_delay)
+            if i == ok.paused_after and ok.resume is not None:
+                while not ok.resume.is_set():
+                    await conn.sleep(0.01)
             if ok.error_at is not None and i >= ok.error_at:
                 await conn.send(_chunked(_sse({"error": dict(ok.error or {})})))
                 await conn.send(b"0\r\n\r\n")
