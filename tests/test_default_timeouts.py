@@ -102,7 +102,7 @@ def _example_on(base_urls: dict[str, str], first_token: float) -> dict[str, Any]
 def example_stack(
     service_stack: Callable[..., contextlib.AbstractContextManager[ServiceStack]],
 ) -> Any:
-    with service_stack(lambda urls: _example_on(urls, 0.5), ["local", "strong"]) as stack:
+    with service_stack(lambda urls: _example_on(urls, 0.3), ["local", "strong"]) as stack:
         yield stack
 
 

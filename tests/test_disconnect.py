@@ -24,7 +24,8 @@ from tests.conftest import ServiceStack
 from tests.fakes import Hang, Ok, RateLimited, ServerError, SlowFirstToken, Stall
 
 LONG = 30.0
-SETTLE = 0.4  # how long we watch for an attempt that must not come
+SETTLE = 0.2  # how long we watch for an attempt that must not come (one would come at once)
+RETRY_AFTER = 0.5  # the upstreams' Retry-After (the caller leaves 0.1 s into it)
 
 
 def build(urls: dict[str, str]) -> dict[str, Any]:
@@ -232,13 +233,13 @@ async def test_disconnect_during_a_retry_after_wait_makes_no_new_attempt(
     stack: ServiceStack, stream: bool
 ) -> None:
     up = stack.upstreams["primary"]
-    up.script(RateLimited(retry_after=1), Ok("too late"))
+    up.script(RateLimited(retry_after=RETRY_AFTER), Ok("too late"))
     stack.upstreams["fallback"].default = RateLimited(retry_after=None)
     caller = await RawCaller.post(stack, chat_body("chain", stream))
-    await stack.upstreams["fallback"].await_requests(1)  # both tried; now waiting 1 s
+    await stack.upstreams["fallback"].await_requests(1)  # both tried; now waiting
     await asyncio.sleep(0.1)
     await caller.leave()
-    await asyncio.sleep(1 + SETTLE)  # past the Retry-After
+    await asyncio.sleep(RETRY_AFTER + SETTLE)  # past the Retry-After
     assert stack.attempts() == {"primary": 1, "fallback": 1}
     trace = (await asyncio.to_thread(stack.wait_traces, 1))[0]
     assert trace.cancelled == "disconnect" and trace.status == 499

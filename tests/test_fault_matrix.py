@@ -41,6 +41,8 @@ STALL = 0.3
 ATTEMPT = 1.0
 DEADLINE = 5.0
 COOL_DOWN = 0.5
+RETRY_AFTER = 0.3  # an upstream's Retry-After the service waits for (fractional seconds parse)
+BACKOFF = 0.6  # the "backoff" route's wait between tries of one provider
 
 
 def build(urls: dict[str, str]) -> dict[str, Any]:
@@ -92,7 +94,7 @@ def build(urls: dict[str, str]) -> dict[str, Any]:
             "backoff": {
                 "targets": ["primary"],
                 "retry_same_provider": True,
-                "retry_backoff": 1.0,
+                "retry_backoff": BACKOFF,
             },
             "slow": {
                 "targets": ["primary", "fallback"],
@@ -187,18 +189,18 @@ def test_f01_retry_after_that_fits_is_waited_for_then_the_provider_is_retried(
     stack: ServiceStack,
 ) -> None:
     up = stack.upstreams["primary"]
-    up.script(RateLimited(retry_after=1), Ok("after the wait"))
+    up.script(RateLimited(retry_after=RETRY_AFTER), Ok("after the wait"))
     raw = chat(stack, "solo")
     assert raw.parse().choices[0].message.content == "after the wait"
     assert stack.attempts() == {"primary": 2, "fallback": 0, "big": 0}
     first, second = up.requests
-    assert second.arrived_at - first.arrived_at >= 0.95  # not before the upstream said
+    assert second.arrived_at - first.arrived_at >= RETRY_AFTER - 0.02  # not before it said
     trace = stack.wait_traces(1)[0]
     assert [(r.provider, r.outcome, r.failure_kind) for r in trace.attempts] == [
         ("primary", "failed", "rate_limited"),
         ("primary", "success", None),
     ]
-    assert trace.attempts[1].waited >= 0.95
+    assert trace.attempts[1].waited >= RETRY_AFTER - 0.02
     assert raw.headers["x-chatroute-attempts"] == "2"
 
 
@@ -581,8 +583,8 @@ def test_f18_caller_deadline_expiring_in_a_retry_after_wait_stops_without_a_new_
     stack: ServiceStack, stream: bool
 ) -> None:
     primary = stack.upstreams["primary"]
-    primary.script(RateLimited(retry_after=1), Ok("too late"))
-    headers = {"x-chatroute-timeout": "0.4"}
+    primary.script(RateLimited(retry_after=2 * RETRY_AFTER), Ok("too late"))
+    headers = {"x-chatroute-timeout": str(RETRY_AFTER)}  # ends half-way through the wait
     if stream:
         status, got, body = stream_raw(stack, "solo", headers=headers)
         error = body[0]["error"]
@@ -598,7 +600,7 @@ def test_f18_caller_deadline_expiring_in_a_retry_after_wait_stops_without_a_new_
     trace = stack.wait_traces(1)[0]
     assert trace.cancelled == "deadline"
     assert [(r.provider, r.failure_kind) for r in trace.attempts] == [("primary", "rate_limited")]
-    time.sleep(1.0)  # past the Retry-After: still nothing more was attempted
+    time.sleep(2 * RETRY_AFTER)  # past the Retry-After: still nothing more was attempted
     assert primary.attempts == 1 and primary.pending == 1
     assert got["x-chatroute-attempts"] == "1"
     assert stack.service.engine.breakers.get("primary").snapshot().failures == 1  # the 429
@@ -614,7 +616,7 @@ def test_f18_deadline_in_a_retry_backoff_wait_stops_without_a_new_attempt(
             model="backoff", messages=MESSAGES, extra_headers={"x-chatroute-timeout": "0.3"}
         )
     assert caught.value.status_code == 504
-    time.sleep(1.0)
+    time.sleep(BACKOFF)  # past the backoff: still nothing more was attempted
     assert primary.attempts == 1
 
 

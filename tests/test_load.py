@@ -61,8 +61,9 @@ def build(urls: dict[str, str]) -> dict[str, Any]:
             "base_url": urls[name],
             "model": f"{name}-model",
             # Generous against the load itself (one process serves the clients, the
-            # service and the upstreams), so only injected faults time out.
-            "timeouts": {"connect": 2, "attempt": 5, "first_token": 1.0, "stall": 1.0},
+            # service and the upstreams: a healthy answer can take 0.7 s), so only injected
+            # faults time out. `attempt` ends a non-streamed answer that stalls half-way.
+            "timeouts": {"connect": 2, "attempt": 2.5, "first_token": 1.0, "stall": 1.0},
         }
 
     return {
@@ -307,14 +308,17 @@ async def live(kind: type) -> int:
 
 
 async def settle_fds(stack: ServiceStack, limit: int) -> int:
-    """Wait (briefly) for sockets being closed to go; returns the count of descriptors
-    other than the pools' idle connections."""
+    """Wait (2 s at most) for sockets being closed to go: until the count of descriptors
+    other than the pools' idle connections is at most `limit`, or has not changed for a
+    quarter of a second; returns that count."""
     count = open_fds() - 2 * pooled(stack)
+    unchanged = 0
     for _ in range(40):
-        if count <= limit:
+        if count <= limit or unchanged == 5:
             break
         await asyncio.sleep(0.05)
-        count = open_fds() - 2 * pooled(stack)
+        before, count = count, open_fds() - 2 * pooled(stack)
+        unchanged = unchanged + 1 if count == before else 0
     return count
 
 

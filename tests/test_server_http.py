@@ -11,6 +11,8 @@ from typing import Any
 
 from chatroute.server.connection import MAX_HEAD_BYTES, CoalescingTransport
 
+HEAD_TIMEOUT = 0.15  # the head timeout of the server in the head-timeout test
+
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
@@ -20,7 +22,7 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
             if message["type"] == "lifespan.shutdown":
                 return
     if scope["path"] == "/slow-answer":
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(2 * HEAD_TIMEOUT)
     size = 0
     while True:  # read the whole body, and answer with its size
         message = await receive()
@@ -88,7 +90,7 @@ def test_a_request_head_over_the_limit_gets_431_and_a_closed_connection(serve_ap
 def test_a_head_not_complete_within_the_head_timeout_closes_the_connection(
     serve_app: Any,
 ) -> None:
-    with serve_app(_app, head_timeout=0.3) as url:
+    with serve_app(_app, head_timeout=HEAD_TIMEOUT) as url:
         # A caller that trickles its head is cut off.
         with _connect(url) as sock:
             sock.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n")
@@ -122,7 +124,7 @@ def test_a_head_not_complete_within_the_head_timeout_closes_the_connection(
             sock.sendall(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
             first = sock.recv(65536)
             assert first.startswith(b"HTTP/1.1 200 OK") and b'"path":"/a"' in first
-            time.sleep(0.5)  # idle past the head timeout: keep-alive is uvicorn's (30 s here)
+            time.sleep(2 * HEAD_TIMEOUT)  # idle past the head timeout: keep-alive is uvicorn's
             sock.sendall(b"GET /b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
             assert b'"path":"/b"' in _read_until_closed(sock)
 
