@@ -50,22 +50,30 @@ class BorrowedEmbedder(EmbeddingGenerator):
 
 # The test files that take longest (model loads in subprocesses and Ray actors, real
 # waits), run first: the workers of `pytest -n` take files in collection order, so a long
-# file started last would keep one worker busy after the other has finished.
+# file started last would keep one worker busy after the other has finished. The Ray file
+# is longest by far (two Ray runs, each starting an actor that loads the model): one
+# worker spends most of the run on it while the other takes the rest in this order.
 _LONGEST_FIRST = (
     "test_classify_ray.py",
     "test_serve_process.py",
     "test_classify.py",
-    "test_reload.py",
-    "test_check.py",
-    "test_load.py",
     "test_fault_matrix.py",
-    "test_disconnect.py",
     "test_embedder.py",
+    "test_load.py",
+    "test_check.py",
     "test_fuzz_openapi.py",
-    "test_request_log.py",
-    "test_cli_remote.py",
+    "test_disconnect.py",
+    "test_fake_upstream.py",
+    "test_reload.py",
+    "test_provider_faults.py",
+    "test_shared_state.py",
     "test_public_api.py",
-    "test_timeouts.py",
+    "test_provider_hostile.py",
+    "test_server_embeddings.py",
+    "test_server_sessions.py",
+    "test_default_timeouts.py",
+    "test_server_http.py",
+    "test_cli_remote.py",
 )
 
 
