@@ -227,18 +227,12 @@ def _thresholds_problems(config: ChatrouteConfig, path: str) -> list[Problem]:
 
 def _model_problems(config: ChatrouteConfig) -> list[Problem]:
     from chatroute.embedder import EmbedderLoadError
-    from chatroute.embedder._model import (
-        _cached_snapshot,
-        _env_offline,
-        _locate,
-        resolve_device,
-        resolve_dtype,
-    )
+    from chatroute.embedder._locate import cached_snapshot, env_offline, locate
 
     settings = config.embedder
     problems: list[Problem] = []
     try:
-        _, target, folder = _locate(settings.model)
+        _, target, folder = locate(settings.model)
     except EmbedderLoadError as exc:
         problems.append(("embedder.model", _one_line(exc)))
     else:
@@ -251,7 +245,7 @@ def _model_problems(config: ChatrouteConfig) -> list[Problem]:
                         f"(neither {' nor '.join(_MODEL_MARKERS)})",
                     )
                 )
-        elif _env_offline() and _cached_snapshot(target) is None:
+        elif env_offline() and cached_snapshot(target) is None:
             problems.append(
                 (
                     "embedder.model",
@@ -260,22 +254,41 @@ def _model_problems(config: ChatrouteConfig) -> list[Problem]:
                     "a model folder, or 'default'",
                 )
             )
+    problems.extend(_device_problems(settings.device, settings.dtype))
+    return problems
+
+
+def _device_problems(device_name: str, dtype: str) -> list[Problem]:
+    """The device and dtype checks; torch (a second or more to import) only where CUDA matters.
+
+    Whether CUDA is available decides only a CUDA device, and fp16 on 'auto' (fp16 runs on
+    CUDA alone): a CPU device, or 'auto' with any other dtype, is answered from the names.
+    """
+    from chatroute.embedder._locate import FP16_ON_CPU, names_a_cpu
+
+    half = dtype.lower() in ("fp16", "float16")
+    if names_a_cpu(device_name):
+        return [("embedder.dtype", FP16_ON_CPU)] if half else []
+    if device_name == "auto" and not half:
+        return []  # fp32 or bf16 runs on the CPU and on CUDA, 'auto' is fp16 or fp32 by device
     import torch
+
+    from chatroute.embedder import EmbedderLoadError
+    from chatroute.embedder._model import resolve_device, resolve_dtype
 
     try:
         device = (
-            resolve_device(settings.device)
-            if settings.device != "auto"
+            resolve_device(device_name)
+            if device_name != "auto"
             else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
     except (EmbedderLoadError, ValueError) as exc:
-        problems.append(("embedder.device", _one_line(exc)))
-        return problems
+        return [("embedder.device", _one_line(exc))]
     try:
-        resolve_dtype(settings.dtype, device)
+        resolve_dtype(dtype, device)
     except ValueError as exc:
-        problems.append(("embedder.dtype", _one_line(exc)))
-    return problems
+        return [("embedder.dtype", _one_line(exc))]
+    return []
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -307,6 +307,78 @@ def test_check_builds_the_model_as_serve_does_and_closes_it(
     assert len(built) == 1 and built[0].closed
 
 
+# Reading a config and finding its model need no torch: a config error, or `check
+# --no-model`, answers in well under a second instead of importing torch first.
+_NO_TORCH = """
+import json, sys
+from chatroute.cli import main
+
+codes = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["chatroute", *argv]
+    try:
+        main()
+    except SystemExit as exc:
+        codes.append(exc.code)
+print(json.dumps({"codes": codes, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_checks_that_load_no_model_do_not_import_torch(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
+    bad = _write_case("embedder path that does not exist", tmp_path / "bad")
+    runs = [
+        ["check", "--no-model", "--config", str(good)],
+        ["serve", "--config", str(bad)],
+        ["route", "--config", str(bad), "hello"],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"codes": [0, 2, 2], "torch": False}
+    assert len(_errors(done.stderr)) == 2  # serve's and route's line about the model path
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "problem"),
+    [
+        ("cpu", "fp32", None),
+        ("cpu:0", "bf16", None),
+        ("auto", "auto", None),
+        ("auto", "bf16", None),
+        ("cpu", "fp16", ("embedder.dtype", "dtype fp16 needs a CUDA device")),
+        ("auto", "float16", ("embedder.dtype", "dtype fp16 needs a CUDA device")),
+        ("cuda", "auto", ("embedder.device", "CUDA is not available")),
+        ("cuda:1", "fp16", ("embedder.device", "CUDA is not available")),
+        ("tpu", "auto", ("embedder.device", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")),
+    ],
+)
+def test_device_and_dtype_problems_on_a_machine_without_cuda(
+    device: str, dtype: str, problem: tuple[str, str] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from chatroute.checks import config_problems
+    from chatroute.config import parse_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = copy.deepcopy(CONFIG)
+    data["embedder"] = {"model": "default", "device": device, "dtype": dtype}
+    found = config_problems(parse_config(data, environ={}))
+    if problem is None:
+        assert found == []
+    else:
+        ((key, message),) = found
+        assert key == problem[0] and problem[1] in message, found
+
+
 # ------------------------------------------------------------- a command's own paths
 
 

@@ -19,7 +19,7 @@ from chatroute.embedder import (
     EmbedderLoadError,
     EmbedderOverloadedError,
     SentenceTransformerEmbedder,
-    _model,
+    _locate,
 )
 from chatroute.embedder._batcher import MicroBatcher, Request, Segment, plan_batch
 from chatroute.embedder._model import ModelRunner
@@ -247,7 +247,7 @@ def test_missing_local_folder_is_a_load_error(
 ) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(_model, "_reachable", lambda host, port: False)
+    monkeypatch.setattr(_locate, "_reachable", lambda host, port: False)
     missing = str(tmp_path / "no-model-here")
     with pytest.raises(EmbedderLoadError) as err:
         SentenceTransformerEmbedder(missing)
@@ -258,10 +258,10 @@ def test_missing_local_folder_is_a_load_error(
 def test_offline_state_reports_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "true")
-    assert "TRANSFORMERS_OFFLINE" in _model.offline_state()
+    assert "TRANSFORMERS_OFFLINE" in _locate.offline_state()
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
-    monkeypatch.setattr(_model, "_reachable", lambda host, port: True)
-    assert "online" in _model.offline_state()
+    monkeypatch.setattr(_locate, "_reachable", lambda host, port: True)
+    assert "online" in _locate.offline_state()
 
 
 # -- micro-batching -------------------------------------------------------------------------------

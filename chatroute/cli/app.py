@@ -102,12 +102,12 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port to bind (config: server.port).")] = None,
 ) -> None:
     """Run the HTTP service (OpenAI-compatible /v1/chat/completions, /v1/route, /v1/classify)."""
+    settings = _config(config)  # a config error is reported before the server stack is imported
     from chatroute.server import create_app
     from chatroute.server.connection import http_protocol
     from chatroute.server.request_log import configure_logging, uvicorn_log_config
     from chatroute.server.startup import run_server
 
-    settings = _config(config)
     log_format = settings.server.log_format
     configure_logging(settings.server.log_level, log_format)
     _quiet_model_loading()

