@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 
 from chatroute.embedder.errors import EmbedderOverloadedError
+from chatroute.errors import FailureKind, ProviderError, kind_for_status
 from chatroute.failover.timeouts import DeadlineExceededError
-from chatroute.providers.errors import FailureKind, ProviderError, kind_for_status
 
 __all__ = [
     "APIError",
