@@ -114,33 +114,37 @@ def _cpus_per_actor(options: ClassifyOptions) -> float:
 
 
 def _input_block(batch: RowBatch, reader: Reader) -> Any:
-    """A batch as the Arrow block the router actors take: usable rows, then bad ones."""
+    """A batch's usable rows as the Arrow block the router actors take."""
     import pyarrow as pa
 
     from chatroute.cli.classify_layout import _as_text
 
-    bad = len(batch.bad)
     columns: dict[str, Any] = {
-        "line": pa.array(batch.lines + [b.line for b in batch.bad], pa.int64()),
-        "text": pa.array(batch.texts + [None] * bad, pa.string()),
+        "line": pa.array(batch.lines, pa.int64()),
+        "text": pa.array(batch.texts, pa.string()),
         # A messages row's conversation, so the actor decides its turn in context.
         "_conversation": pa.array(
-            [getattr(text, "source", None) for text in batch.texts] + [None] * bad, pa.string()
+            [getattr(text, "source", None) for text in batch.texts], pa.string()
         ),
-        "bad": pa.array([None] * len(batch) + [b.reason for b in batch.bad], pa.string()),
     }
     if reader.has_id:
         ids = batch.ids if reader.id_type is not None else [_as_text(v) for v in batch.ids]
-        columns["id"] = pa.array(ids + [None] * bad, reader.id_type or pa.string())
+        columns["id"] = pa.array(ids, reader.id_type or pa.string())
     for name, kind in reader.keep_types.items():
         values = batch.keep[name] if kind is not None else [_as_text(v) for v in batch.keep[name]]
-        columns[name] = pa.array(values + [None] * bad, kind or pa.string())
+        columns[name] = pa.array(values, kind or pa.string())
     return pa.table(columns)
 
 
-def _datasource(paths: str, fmt: str, fields: Fields, block_rows: int) -> Any:
+def _datasource(
+    paths: str, fmt: str, fields: Fields, block_rows: int, tally: Any, max_bad: int | None
+) -> Any:
     """A Ray Data file source reading with the local engine's readers (same rows, same bad
-    rows, same line numbers)."""
+    rows, same line numbers).
+
+    Bad rows are counted where they are read: a run past --max-bad stops there, without
+    waiting for the router actors (and their model) to reach them.
+    """
     from ray.data.datasource import FileBasedDatasource
 
     class ClassifyDatasource(FileBasedDatasource):  # type: ignore[misc]
@@ -150,9 +154,16 @@ def _datasource(paths: str, fmt: str, fields: Fields, block_rows: int) -> Any:
             return super()._open_input_source(filesystem, path, **open_args)
 
         def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
+            import ray
+
             fh = f if fmt == "parquet" else io.BufferedReader(f, 1 << 20)
             reader = open_stream(fh, fmt, path, fields, None)
             for batch in reader.batches(block_rows):
+                if batch.bad:
+                    bad = [(row.line, row.reason) for row in batch.bad]
+                    total = ray.get(tally.add_bad.remote(bad))
+                    if max_bad is not None and total > max_bad:
+                        raise TooManyBadRows(f"more than {max_bad} bad rows ({total})")
                 yield _input_block(batch, reader)
 
     return ClassifyDatasource(paths, file_extensions=_EXTENSIONS[fmt])
@@ -167,7 +178,6 @@ class _RouterActor:
         layout: Layout,
         scoring: str,
         tally: Any,
-        max_bad: int | None,
         gpu: bool,
     ) -> None:
         from chatroute.engine import build_engine
@@ -183,31 +193,18 @@ class _RouterActor:
         self._layout = layout
         self._scoring = scoring
         self._tally = tally
-        self._max_bad = max_bad
 
     def __call__(self, block: Any) -> Any:
-        import ray
-
         data = block.to_pydict()
-        good = [row for row, reason in enumerate(data["bad"]) if reason is None]
-        bad = [(data["line"][row], data["bad"][row]) for row, r in enumerate(data["bad"]) if r]
-        if bad:
-            total = ray.get(self._tally.add_bad.remote(bad))
-            if self._max_bad is not None and total > self._max_bad:
-                raise TooManyBadRows(f"more than {self._max_bad} bad rows ({total})")
         batch = RowBatch(
-            lines=[data["line"][row] for row in good],
+            lines=data["line"],
             texts=[
-                messages_query(data["_conversation"][row])
-                if data["_conversation"][row]
-                else data["text"][row]
-                for row in good
+                messages_query(conversation) if conversation else text
+                for text, conversation in zip(data["text"], data["_conversation"], strict=True)
             ],
-            ids=[data["id"][row] for row in good] if self._layout.has_id else [],
-            keep={name: [data[name][row] for row in good] for name in self._layout.keep_types},
+            ids=data["id"] if self._layout.has_id else [None] * len(data["line"]),
+            keep={name: data[name] for name in self._layout.keep_types},
         )
-        if not self._layout.has_id:
-            batch.ids = [None] * len(good)
         decisions = self._loop.run_until_complete(self._engine.decide_batch(batch.texts))
         results = results_of(
             decisions,
@@ -220,7 +217,8 @@ class _RouterActor:
 
 
 class _Tally:
-    """Rows decided and bad rows seen, shared by the actors; the driver drains bad rows."""
+    """Rows decided (by the actors) and bad rows seen (by the readers); the driver drains
+    the bad rows to report them."""
 
     def __init__(self) -> None:
         self.rows = 0
@@ -312,7 +310,14 @@ def run_ray(
         tally: Any = ray.remote(num_cpus=0)(_Tally).remote()
         source = options.source if "://" in options.source else os.path.abspath(options.source)
         dataset = ray.data.read_datasource(
-            _datasource(source, fmt, options.fields, max(options.batch_size, 1024)),
+            _datasource(
+                source,
+                fmt,
+                options.fields,
+                max(options.batch_size, 1024),
+                tally,
+                options.max_bad,
+            ),
             num_cpus=0,
         ).map_batches(
             _RouterActor,
@@ -321,7 +326,6 @@ def run_ray(
                 "layout": layout,
                 "scoring": scoring_mode(config),
                 "tally": tally,
-                "max_bad": options.max_bad,
                 "gpu": options.gpus_per_actor > 0,
             },
             batch_size=options.batch_size,
