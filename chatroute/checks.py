@@ -92,7 +92,7 @@ def config_problems(
     """The (config key, message) problems of the files, folders and model a config names."""
     problems: list[Problem] = []
     embedder = config.embedder
-    if embedder.pack_width and embedder.pack_width > (embedder.max_batch_tokens or 8192):
+    if embedder.pack_width and embedder.pack_width > (embedder.max_batch_tokens or 1024):
         problems.append(
             (
                 "embedder.pack_width",

@@ -161,7 +161,7 @@ class EmbedderConfig(_Strict):
     tokenizer_threads: int | None = Field(default=None, ge=1)
     workers: int | None = Field(default=None, ge=1)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=1000)
-    pack_width: int | None = Field(default=None, ge=0, le=8192)
+    pack_width: int | None = Field(default=None, ge=0, le=1024)
 
 
 class RoutingConfig(_Strict):

@@ -29,23 +29,27 @@ BatchListener = Callable[[int, int], None]
 
 _TOKENIZE_CHUNK = 256
 _DEFAULTS = {
-    # device type: (max_batch_size, max_batch_tokens, cost of one pass in padded tokens,
-    # pack_width, batch_wait_ms).
+    # device type: (max_batch_size, max_batch_tokens (or the model's max_seq_length when
+    # longer), cost of one pass in padded tokens, pack_width, batch_wait_ms).
     # On a CPU a pass costs its padded tokens plus a fixed part, the weights read once
     # (all-MiniLM-L6-v2, one thread: 6 ms a pass against 0.3 ms a token, so ~20 tokens;
     # 13 ms on a loaded machine). Under steady load the texts a pass leaves out join the
     # next one, so cutting finely by length pays: replaying CLINC150-length texts through
     # a pool that refills as passes take from it (24 to 64 waiting), planning with 24
-    # costs 2-5% less per text than with 64. Rows of 64 tokens for packing: attention
-    # over a row costs 2 x 64 x hidden multiply-adds a token against 12 x hidden^2 in the
-    # linear layers, under 3% for a 384-wide model. Holding a pass back up to 20 ms lets
-    # answered callers' next texts join it: through HTTP they come back over 10-30 ms
-    # (the event loop answers and reads each request in turn), and a held worker's core
-    # serves that event loop meanwhile; measured with 64 one-text HTTP clients, 5 / 20 /
-    # 50 ms gave 18 / 24 / 25 texts a pass, and 16 or 4 clients were no slower for it.
+    # costs 2-5% less per text than with 64. The cost per token stops falling once a pass
+    # holds ~700 tokens (0.32 ms a token at 64 texts of CLINC150 length and at 256), so
+    # larger passes only split the work between the model threads more coarsely: one
+    # call of 1000 texts in passes of up to 8192 tokens (5 passes) took 2.0 s, in passes
+    # of up to 1024 (14) 1.7 s. Rows of 64 tokens for packing: attention over a row costs
+    # 2 x 64 x hidden multiply-adds a token against 12 x hidden^2 in the linear layers,
+    # under 3% for a 384-wide model. Holding a pass back up to 20 ms lets answered
+    # callers' next texts join it: through HTTP they come back over 10-30 ms (the event
+    # loop answers and reads each request in turn), and a held worker's core serves that
+    # event loop meanwhile; with 64 one-text HTTP clients, 5 / 20 / 50 ms gave 18 / 24 /
+    # 25 texts a pass, and 16 or 4 clients were no slower for it.
     # On a GPU each pass has a launch cost worth thousands of tokens: batches stay large;
     # packing and holding back are off there (not measured on a GPU).
-    "cpu": (256, 8192, 24, 64, 20.0),
+    "cpu": (256, 1024, 24, 64, 20.0),
     "cuda": (1024, 65536, 4096, 0, 0.0),
 }
 _MAX_WAIT_MS = 1000.0
@@ -215,7 +219,9 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         self._runner = runner
         dev_size, dev_tokens, pass_cost, dev_pack, dev_wait = _DEFAULTS[runner.device.type]
         batch_size = _positive("max_batch_size", max_batch_size, dev_size)
-        batch_tokens = _positive("max_batch_tokens", max_batch_tokens, dev_tokens)
+        batch_tokens = _positive(
+            "max_batch_tokens", max_batch_tokens, max(dev_tokens, runner.max_seq_length)
+        )
         if batch_tokens < runner.max_seq_length:
             raise ValueError(
                 f"max_batch_tokens ({batch_tokens}) must be at least the model's "
