@@ -91,6 +91,15 @@ def config_problems(
 ) -> list[Problem]:
     """The (config key, message) problems of the files, folders and model a config names."""
     problems: list[Problem] = []
+    embedder = config.embedder
+    if embedder.pack_width and embedder.pack_width > (embedder.max_batch_tokens or 1024):
+        problems.append(
+            (
+                "embedder.pack_width",
+                f"{embedder.pack_width} is over max_batch_tokens "
+                f"({embedder.max_batch_tokens}): a packed row must fit in one pass",
+            )
+        )
     routing = config.routing
     if routing.thresholds_file is not None:
         problems.extend(_thresholds_problems(config, routing.thresholds_file))

@@ -160,6 +160,8 @@ class EmbedderConfig(_Strict):
     max_queue: int | None = Field(default=None, ge=1)
     tokenizer_threads: int | None = Field(default=None, ge=1)
     workers: int | None = Field(default=None, ge=1)
+    batch_wait_ms: float | None = Field(default=None, ge=0, le=1000)
+    pack_width: int | None = Field(default=None, ge=0, le=1024)
 
 
 class RoutingConfig(_Strict):

@@ -289,6 +289,8 @@ def build_embedder(config: ChatrouteConfig) -> EmbeddingGenerator:
         max_queue=settings.max_queue if settings.max_queue is not None else 100_000,
         tokenizer_threads=settings.tokenizer_threads,
         workers=settings.workers,
+        batch_wait_ms=settings.batch_wait_ms,
+        pack_width=settings.pack_width,
     )
 
 

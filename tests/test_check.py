@@ -134,6 +134,15 @@ CASES: dict[str, Case] = {
         "embedder.model: '{folder}/empty-model' holds no sentence-transformers model "
         "(neither modules.json nor config.json)",
     ),
+    "embedder batch_wait_ms out of range": Case(
+        _set("embedder.batch_wait_ms", 5000),
+        "embedder.batch_wait_ms: Input should be less than or equal to 1000",
+    ),
+    "embedder pack_width over the pass budget": Case(
+        _set("embedder", {"model": "default", "max_batch_tokens": 256, "pack_width": 512}),
+        "embedder.pack_width: 512 is over max_batch_tokens (256): a packed row must fit in "
+        "one pass",
+    ),
 }
 
 

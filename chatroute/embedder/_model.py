@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from chatroute.embedder._batcher import Batch, IntArray, Request, Segment
+from chatroute.embedder._batcher import Batch, IntArray, Request, Segment, pack_rows
 from chatroute.embedder._locate import (
     DEFAULT_MODEL_NAME,
     FP16_ON_CPU,
@@ -209,6 +210,7 @@ class ModelRunner:
         self.fast = fast_path and self._setup_fast_path()
         if not self.fast:
             logger.info("embedder: %s runs through SentenceTransformer.encode per batch", self.name)
+        self.packs = self.fast and self._setup_packing()
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -328,7 +330,9 @@ class ModelRunner:
 
     def launch(self, batch: Batch) -> PendingResult:
         """Start the forward pass for `batch` (must run inside `inference()`)."""
-        if self.fast:
+        if batch.width:
+            out = self._forward_packed(batch)
+        elif self.fast:
             ids, mask = self._collate(batch)
             out = self._forward_ids(ids, mask)
         else:
@@ -372,6 +376,109 @@ class ModelRunner:
         if self._prompt_length is not None:
             features["prompt_length"] = self._prompt_length
         out: torch.Tensor = self._st(features)["sentence_embedding"]
+        if self._normalize_out:
+            out = torch.nn.functional.normalize(out.to(torch.float32), p=2, dim=1)
+        return out
+
+    # -- packed passes ------------------------------------------------------------------------
+
+    def _setup_packing(self) -> bool:
+        """Pack short texts into shared rows only where it provably gives the padded result:
+        the first module feeds token ids to a transformer that takes position ids and a 4-D
+        attention mask, and a probe embeds the same texts both ways."""
+        first = self._st[0]
+        model = getattr(first, "auto_model", None)
+        if model is None:
+            return False
+        passed = getattr(first, "model_forward_params", None)  # None: every model input
+        try:
+            takes = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        for name in ("attention_mask", "position_ids"):
+            if name not in takes or (passed is not None and name not in passed):
+                return False
+        if getattr(getattr(model, "config", None), "_attn_implementation", "") not in (
+            "sdpa",
+            "eager",
+        ):
+            return False
+        try:
+            request = Request(len(_PROBE_TEXTS) + 2)
+            texts = [*_PROBE_TEXTS, "a", "two words"]
+            seg = self.make_segment(request, 0, texts)
+            offs = np.arange(len(texts), dtype=np.int64)
+            starts, rows, width = pack_rows(seg.lengths, int(seg.lengths.max()) + 4)
+            padded = Batch(parts=[(seg, offs)], size=len(texts), max_len=int(seg.lengths.max()))
+            packed = Batch(
+                parts=[(seg, offs)],
+                size=len(texts),
+                max_len=padded.max_len,
+                width=width,
+                starts=starts,
+                rows=rows,
+            )
+            with self.inference():
+                want = self._forward_ids(*self._collate(padded)).to(torch.float32)
+                got = self._forward_packed(packed).to(torch.float32)
+            tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
+            same = rows < len(texts) and bool(torch.allclose(got, want, atol=tolerance, rtol=0))
+        except Exception:  # a model the packed call does not fit: padded passes only
+            logger.debug("embedder packing probe failed", exc_info=True)
+            return False
+        if not same:
+            logger.info("embedder: %s cannot pack texts into shared rows", self.name)
+        return same
+
+    def _forward_packed(self, batch: Batch) -> torch.Tensor:
+        """A packed batch through the model: each text keeps its own positions and attends
+        only to itself; its token states are pooled as the model's own pooling does for an
+        unpadded (flattened) batch."""
+        assert batch.starts is not None
+        width, rows = batch.width, batch.rows
+        lengths = batch.lengths
+        total = int(lengths.sum())
+        first_token = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        within = np.arange(total, dtype=np.int64) - np.repeat(first_token, lengths)
+        dest = np.repeat(batch.starts, lengths) + within  # flat position of every token
+        ids = np.full(rows * width, self._pad_id, dtype=np.int64)
+        pieces = []
+        for seg, offs in batch.parts:
+            assert seg.ids is not None
+            rows_ids = seg.ids[offs]
+            pieces.append(rows_ids[np.arange(rows_ids.shape[1]) < seg.lengths[offs][:, None]])
+        ids[dest] = np.concatenate(pieces)
+        positions = np.zeros(rows * width, dtype=np.int64)
+        positions[dest] = within
+        owner = np.full(rows * width, -1, dtype=np.int64)
+        owner[dest] = np.repeat(np.arange(batch.size, dtype=np.int64), lengths)
+
+        device = self.device
+        owner_t = torch.from_numpy(owner.reshape(rows, width)).to(device)
+        same_text = owner_t[:, :, None] == owner_t[:, None, :]
+        same_text |= torch.eye(width, dtype=torch.bool, device=device)  # empty slots: themselves
+        mask = torch.zeros(same_text.shape, dtype=self.dtype, device=device)
+        mask.masked_fill_(~same_text, torch.finfo(self.dtype).min)
+        input_ids = torch.from_numpy(ids.reshape(rows, width)).to(device)
+        features: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": mask[:, None],
+            "position_ids": torch.from_numpy(positions.reshape(rows, width)).to(device),
+        }
+        if self._type_ids:
+            features["token_type_ids"] = torch.zeros_like(input_ids)
+        states = self._st[0](features)["token_embeddings"]
+        flat = states.reshape(rows * width, -1)[torch.from_numpy(dest).to(device)]
+        bounds = np.concatenate(([0], np.cumsum(lengths)))
+        pooled: dict[str, Any] = {
+            "token_embeddings": flat[None],
+            "cu_seq_lens_q": torch.from_numpy(bounds).to(device),
+        }
+        if self._prompt_length is not None:
+            pooled["prompt_length"] = self._prompt_length
+        for module in list(self._st)[1:]:
+            pooled = module(pooled)
+        out: torch.Tensor = pooled["sentence_embedding"]
         if self._normalize_out:
             out = torch.nn.functional.normalize(out.to(torch.float32), p=2, dim=1)
         return out

@@ -29,17 +29,30 @@ BatchListener = Callable[[int, int], None]
 
 _TOKENIZE_CHUNK = 256
 _DEFAULTS = {
-    # device type: (max_batch_size, max_batch_tokens, cost of one pass in padded tokens).
+    # device type: (max_batch_size, max_batch_tokens (or the model's max_seq_length when
+    # longer), cost of one pass in padded tokens, pack_width, batch_wait_ms).
     # On a CPU a pass costs its padded tokens plus a fixed part, the weights read once
     # (all-MiniLM-L6-v2, one thread: 6 ms a pass against 0.3 ms a token, so ~20 tokens;
-    # more on a loaded machine). Under steady load the texts a pass leaves out join the
+    # 13 ms on a loaded machine). Under steady load the texts a pass leaves out join the
     # next one, so cutting finely by length pays: replaying CLINC150-length texts through
     # a pool that refills as passes take from it (24 to 64 waiting), planning with 24
-    # costs 2-5% less per text than with 64. On a GPU each pass has a launch cost worth
-    # thousands of tokens: batches stay large.
-    "cpu": (256, 8192, 24),
-    "cuda": (1024, 65536, 4096),
+    # costs 2-5% less per text than with 64. The cost per token stops falling once a pass
+    # holds ~700 tokens (0.32 ms a token at 64 texts of CLINC150 length and at 256), so
+    # larger passes only split the work between the model threads more coarsely: one
+    # call of 1000 texts in passes of up to 8192 tokens (5 passes) took 2.0 s, in passes
+    # of up to 1024 (14) 1.7 s. Rows of 64 tokens for packing: attention over a row costs
+    # 2 x 64 x hidden multiply-adds a token against 12 x hidden^2 in the linear layers,
+    # under 3% for a 384-wide model. Holding a pass back up to 20 ms lets answered
+    # callers' next texts join it: through HTTP they come back over 10-30 ms (the event
+    # loop answers and reads each request in turn), and a held worker's core serves that
+    # event loop meanwhile; with 64 one-text HTTP clients, 5 / 20 / 50 ms gave 18 / 24 /
+    # 25 texts a pass, and 16 or 4 clients were no slower for it.
+    # On a GPU each pass has a launch cost worth thousands of tokens: batches stay large;
+    # packing and holding back are off there (not measured on a GPU).
+    "cpu": (256, 1024, 24, 64, 20.0),
+    "cuda": (1024, 65536, 4096, 0, 0.0),
 }
+_MAX_WAIT_MS = 1000.0
 _THREADS_LOCK = threading.Lock()
 
 
@@ -165,11 +178,16 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
 
     Batching: concurrent `generate()` calls are merged into forward passes of at most
     `max_batch_size` texts and `max_batch_tokens` padded tokens, texts grouped by token
-    length. There is no waiting timer: a lone request goes at once, and requests arriving
-    while a pass runs form the next one. At most `max_queue` texts wait (a request that would
-    go over is refused with `EmbedderOverloadedError`; one larger than the bound alone is
-    accepted only into an empty queue). Tokenisation runs in `tokenizer_threads` worker
-    threads, overlapping the forward passes, which run in `workers` model threads.
+    length. A lone request goes at once, and requests arriving while a pass runs form the
+    next one; under load a free model thread holds a pass back for up to `batch_wait_ms`
+    while fewer texts are ready than its share of those in flight, so answered callers'
+    next texts join it. Texts no longer than half of `pack_width` tokens may share rows of
+    that width (packed end to end, each attending only to itself) instead of each being
+    padded, when the model passes a probe that this gives its padded results. At most
+    `max_queue` texts wait (a request that would go over is refused with
+    `EmbedderOverloadedError`; one larger than the bound alone is accepted only into an
+    empty queue). Tokenisation runs in `tokenizer_threads` worker threads, overlapping the
+    forward passes, which run in `workers` model threads.
 
     `workers`: forward passes run at once. On CUDA 1 (passes are pipelined instead). On a
     CPU 2 when torch has two or more intra-op threads, each pass then on half of them: two
@@ -190,6 +208,8 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         max_queue: int | None = 100_000,
         tokenizer_threads: int | None = None,
         workers: int | None = None,
+        batch_wait_ms: float | None = None,
+        pack_width: int | None = None,
         warmup: bool = True,
         _runner: ModelRunner | None = None,
     ) -> None:
@@ -197,15 +217,32 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         # `_runner`: an already loaded model to serve (internal: tests and benches share one).
         runner = _runner or ModelRunner(model, device=device, dtype=dtype, normalize=normalize)
         self._runner = runner
-        dev_size, dev_tokens, pass_cost = _DEFAULTS[runner.device.type]
+        dev_size, dev_tokens, pass_cost, dev_pack, dev_wait = _DEFAULTS[runner.device.type]
         batch_size = _positive("max_batch_size", max_batch_size, dev_size)
-        batch_tokens = _positive("max_batch_tokens", max_batch_tokens, dev_tokens)
+        batch_tokens = _positive(
+            "max_batch_tokens", max_batch_tokens, max(dev_tokens, runner.max_seq_length)
+        )
         if batch_tokens < runner.max_seq_length:
             raise ValueError(
                 f"max_batch_tokens ({batch_tokens}) must be at least the model's "
                 f"max_seq_length ({runner.max_seq_length})"
             )
         queue_bound = _positive("max_queue", max_queue, 100_000)
+        pack = dev_pack if pack_width is None else pack_width
+        if isinstance(pack, bool) or not isinstance(pack, int) or not 0 <= pack <= batch_tokens:
+            raise ValueError(
+                f"pack_width must be an int from 0 to max_batch_tokens ({batch_tokens}), "
+                f"got {pack_width!r}"
+            )
+        wait_ms = dev_wait if batch_wait_ms is None else batch_wait_ms
+        if (
+            isinstance(wait_ms, bool)
+            or not isinstance(wait_ms, (int, float))
+            or not 0 <= wait_ms <= _MAX_WAIT_MS
+        ):
+            raise ValueError(
+                f"batch_wait_ms must be a number from 0 to {_MAX_WAIT_MS:g}, got {batch_wait_ms!r}"
+            )
         cores = os.cpu_count() or 1
         default_threads = max(1, min(8, cores // 2)) if runner.device.type == "cuda" else 1
         threads = _positive("tokenizer_threads", tokenizer_threads, default_threads)
@@ -221,6 +258,9 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             max_batch_tokens=batch_tokens,
             max_queue=queue_bound,
             pass_cost=pass_cost,
+            max_wait=wait_ms / 1000.0,
+            workers=n_workers,
+            pack_width=pack if runner.fast and runner.packs else 0,
         )
         self._listeners: list[BatchListener] = []
         self._jobs: set[_Job] = set()
@@ -437,6 +477,14 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             return exc
 
     def _finish(self, batch: Batch, launched: PendingResult | BaseException) -> None:
+        try:
+            self._settle(batch, launched)
+        finally:
+            # After the answers went out: a worker holding a pass back counts this pass's
+            # callers as in flight until then.
+            self._batcher.finished(batch)
+
+    def _settle(self, batch: Batch, launched: PendingResult | BaseException) -> None:
         rows: FloatArray | None = None
         error: BaseException | None = launched if isinstance(launched, BaseException) else None
         if error is None:
