@@ -112,6 +112,34 @@ def default_embedder() -> Iterator[Callable[[], EmbeddingGenerator]]:
         embedder.close()
 
 
+@pytest.fixture(scope="module")
+def runner(default_embedder: Callable[[], EmbeddingGenerator]) -> Any:
+    """The loaded default model's `ModelRunner`, shared with `default_embedder` (loaded once)."""
+    from chatroute.embedder import SentenceTransformerEmbedder
+
+    shared = default_embedder()
+    inner: Any = getattr(shared, "inner", shared)
+    assert isinstance(inner, SentenceTransformerEmbedder)
+    return inner._runner
+
+
+@pytest.fixture
+def make(runner: Any) -> Iterator[Callable[..., Any]]:
+    """Embedders over the shared model with their own queue settings; closed after the test."""
+    from chatroute.embedder import SentenceTransformerEmbedder
+
+    made: list[SentenceTransformerEmbedder] = []
+
+    def build(**kwargs: Any) -> SentenceTransformerEmbedder:
+        emb = SentenceTransformerEmbedder(_runner=runner, warmup=False, **kwargs)
+        made.append(emb)
+        return emb
+
+    yield build
+    for emb in made:
+        emb.close()
+
+
 @pytest.fixture
 def config_file(
     tmp_path: Path,

@@ -6,14 +6,13 @@ import asyncio
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from chatroute.chat import EmbeddingGenerator
 from chatroute.embedder import (
     EmbedderClosedError,
     EmbedderLoadError,
@@ -39,15 +38,6 @@ MIXED = [
 
 
 @pytest.fixture(scope="module")
-def runner(default_embedder: Callable[[], EmbeddingGenerator]) -> ModelRunner:
-    """The loaded default model, shared with the suite's embedder (loaded once)."""
-    shared = default_embedder()
-    inner: Any = getattr(shared, "inner", shared)
-    assert isinstance(inner, SentenceTransformerEmbedder)
-    return inner._runner
-
-
-@pytest.fixture(scope="module")
 def reference(runner: ModelRunner) -> Callable[[list[str]], np.ndarray]:
     """Plain `SentenceTransformer(path).encode`, one text at a time (unbatched)."""
     from sentence_transformers import SentenceTransformer
@@ -63,21 +53,6 @@ def reference(runner: ModelRunner) -> Callable[[list[str]], np.ndarray]:
         return np.stack([cache[t] for t in texts])
 
     return encode
-
-
-@pytest.fixture
-def make(runner: ModelRunner) -> Iterator[Callable[..., SentenceTransformerEmbedder]]:
-    """Embedders over the shared model with their own queue settings; closed after the test."""
-    made: list[SentenceTransformerEmbedder] = []
-
-    def build(**kwargs: Any) -> SentenceTransformerEmbedder:
-        emb = SentenceTransformerEmbedder(_runner=runner, warmup=False, **kwargs)
-        made.append(emb)
-        return emb
-
-    yield build
-    for emb in made:
-        emb.close()
 
 
 def record_batches(emb: SentenceTransformerEmbedder) -> list[tuple[int, int]]:

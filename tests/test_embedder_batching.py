@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from chatroute.chat import EmbeddingGenerator
 from chatroute.embedder import SentenceTransformerEmbedder
 from chatroute.embedder._batcher import Batch, MicroBatcher, Request, Segment, pack_rows, plan_batch
 from chatroute.embedder._model import ModelRunner
@@ -27,28 +26,6 @@ SHORT = [
     "Ünïcödé & symbols: €100 #tag @user :)",
     "book a table for two at eight",
 ]
-
-
-@pytest.fixture(scope="module")
-def runner(default_embedder: Callable[[], EmbeddingGenerator]) -> ModelRunner:
-    """The loaded default model, shared with the suite's embedder (loaded once)."""
-    inner: Any = getattr(default_embedder(), "inner", None)
-    assert isinstance(inner, SentenceTransformerEmbedder)
-    return inner._runner
-
-
-@pytest.fixture
-def make(runner: ModelRunner) -> Iterator[Callable[..., SentenceTransformerEmbedder]]:
-    made: list[SentenceTransformerEmbedder] = []
-
-    def build(**kwargs: Any) -> SentenceTransformerEmbedder:
-        emb = SentenceTransformerEmbedder(_runner=runner, warmup=False, **kwargs)
-        made.append(emb)
-        return emb
-
-    yield build
-    for emb in made:
-        emb.close()
 
 
 def segment(req: Request, lengths: list[int]) -> Segment:
