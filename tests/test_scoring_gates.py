@@ -58,15 +58,27 @@ async def test_a_decision_does_not_depend_on_the_batch_it_came_in(oos_score: str
     batch = await semantic.route_batch(texts)
     vectors = await gen.generate(texts)
     together = await semantic.route_embeddings(vectors)
+    halves = [
+        *await semantic.route_embeddings(vectors[:500]),
+        *await semantic.route_embeddings(vectors[500:]),
+    ]
     for position in [*range(0, QUERIES, 13), *range(QUERIES, len(texts))]:
-        alone = (await semantic.route_batch([texts[position]]))[0]
-        for other in (batch[position], together[position]):
-            assert alone.winner is other.winner and alone.client is other.client
-            assert alone.score == other.score  # bit for bit, not approximately
-            assert list(alone.scores.items()) == list(other.scores.items())
-            # (Duplicate utterances may swap places in `matches`: the index's float32
-            # search orders equal vectors by their last bit, which the batch can change.)
-            assert [m.utterance for m in alone.matches] == [m.utterance for m in other.matches]
+        # Batches of any size: the same decision, bit for bit.
+        for other in (together[position], halves[position]):
+            assert other.winner is batch[position].winner
+            assert other.client is batch[position].client
+            assert other.score == batch[position].score  # bit for bit, not approximately
+            assert list(other.scores.items()) == list(batch[position].scores.items())
+        # A query alone takes the float32 one-query path: the same routes, scores within
+        # 1e-6. (Duplicate utterances may swap places in `matches`: the index's float32
+        # search orders equal vectors by their last bit, which the batch can change.)
+        alone, other = (await semantic.route_batch([texts[position]]))[0], batch[position]
+        assert alone.winner is other.winner and alone.client is other.client
+        assert alone.score == pytest.approx(other.score, abs=1e-6)
+        assert alone.scores.keys() == other.scores.keys()
+        for client, value in alone.scores.items():
+            assert value == pytest.approx(other.scores[client], abs=1e-6)
+        assert [m.utterance for m in alone.matches] == [m.utterance for m in other.matches]
 
 
 async def test_the_blend_score_is_the_mean_of_the_winners_three_cosines() -> None:

@@ -1,16 +1,58 @@
-"""The learned modes' one-query path: the same rankings, winners and decisions as a batch."""
+"""The learned modes' one-query path: the same rankings, winners and decisions as a batch.
+
+`knn` and `adapter` decide a query alone bit for bit as in a batch; `prototype` takes a
+float32 product with its prototypes alone (half the bytes of the batch's float64 one): the
+same routes, winners, defaults and matches, scores within `ONE_QUERY_TOLERANCE`.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from chatroute import SCORING_MODES, SemanticRoutingChatClient, make_scoring
-from chatroute.router.scoring import TIE_TOLERANCE, pick_winners, rank_columns, rank_one
+from chatroute import SCORING_MODES, RouteDecision, SemanticRoutingChatClient, make_scoring
+from chatroute.router.scoring import (
+    ONE_QUERY_TOLERANCE,
+    TIE_TOLERANCE,
+    pick_winners,
+    rank_columns,
+    rank_one,
+)
 from tests.semantic_doubles import FakeEmbeddingGenerator, NamedClient
 
 LEARNED = [name for name in SCORING_MODES if name != "top_k"]
 GATES = [(mode, gate) for mode in LEARNED for gate in SCORING_MODES[mode].oos_scores]
+
+
+def assert_decides_as_the_batch(
+    mode: str, alone: list[RouteDecision], batched: list[RouteDecision]
+) -> None:
+    """Bit for bit (knn, adapter), or the same routes and scores within the tolerance."""
+    if mode != "prototype":
+        assert alone == batched
+        assert [list(d.scores) for d in alone] == [list(d.scores) for d in batched]  # order
+        return
+    for one, batch in zip(alone, batched, strict=True):
+        assert (one.client, one.winner, one.is_default) == (
+            batch.client,
+            batch.winner,
+            batch.is_default,
+        )
+        assert (one.threshold, one.scoring, one.matches) == (
+            batch.threshold,
+            batch.scoring,
+            batch.matches,
+        )
+        assert one.score is not None and batch.score is not None
+        assert abs(one.score - batch.score) <= ONE_QUERY_TOLERANCE
+        assert next(iter(one.scores)) is one.winner
+        for client in one.scores.keys() & batch.scores.keys():
+            assert abs(one.scores[client] - batch.scores[client]) <= ONE_QUERY_TOLERANCE
+        # The reported routes differ only by a near tie with the last one reported.
+        for some, other in ((one, batch), (batch, one)):
+            last = min(other.scores.values())
+            for client in some.scores.keys() - other.scores.keys():
+                assert abs(some.scores[client] - last) <= 2 * ONE_QUERY_TOLERANCE
 
 
 def batch_ranking(row: np.ndarray, shown: int) -> tuple[list[int], list[float], int]:
@@ -109,8 +151,47 @@ async def test_one_query_decides_as_it_does_in_a_batch(mode: str, gate: str, top
     for start in range(0, len(vectors), 8):
         batched += await router.route_embeddings(vectors[start : start + 8])
     alone = [(await router.route_embeddings(vectors[i : i + 1]))[0] for i in range(len(vectors))]
-    assert alone == batched
-    assert [list(d.scores) for d in alone] == [list(d.scores) for d in batched]  # their order
+    assert_decides_as_the_batch(mode, alone, batched)
     assert any(d.is_default for d in alone) and not all(d.is_default for d in alone)
     twin = next(client for client in profiles if client.name == "twin")
     assert all(d.winner is not twin for d in alone)  # the exact tie goes to r0
+
+
+@pytest.mark.parametrize("gate", SCORING_MODES["prototype"].oos_scores)
+async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(gate: str) -> None:
+    # 150 routes x 20 utterances of dimension 384, 1,500 queries (some on a profile, some
+    # between routes), per-route thresholds around the scores: a query alone gets the
+    # batch's route, winner and default, with scores within the tolerance.
+    rng = np.random.default_rng(150)
+    routes, per_route, dimension = 150, 20, 384
+    centres = rng.standard_normal((routes, dimension))
+    rows = np.repeat(centres, per_route, axis=0) + 1.2 * rng.standard_normal(
+        (routes * per_route, dimension)
+    )
+    table = {f"r{i // per_route}u{i % per_route}": row.tolist() for i, row in enumerate(rows)}
+    profiles = {
+        NamedClient(f"r{r}"): [f"r{r}u{i}" for i in range(per_route)] for r in range(routes)
+    }
+    picks = rng.integers(routes, size=(1500, 2))
+    mix = rng.uniform(0.0, 1.0, (1500, 1))
+    queries = mix * centres[picks[:, 0]] + (1 - mix) * centres[picks[:, 1]]
+    queries += rng.uniform(0.5, 2.5, (1500, 1)) * rng.standard_normal((1500, dimension))
+    queries[::50] = rows[:: per_route * 5][: len(queries[::50])]
+    gen = FakeEmbeddingGenerator(table)
+    thresholds = {client: float(rng.uniform(0.2, 0.5)) for client in profiles}
+    router = SemanticRoutingChatClient(
+        gen,
+        profiles,
+        NamedClient("default"),
+        scoring=make_scoring("prototype", oos_score=gate),
+        route_thresholds=thresholds,
+    )
+    vectors = queries.astype(np.float32)
+    batched = []  # batches of 8: the index's own float32 search is a single query's
+    for start in range(0, len(vectors), 8):
+        batched += await router.route_embeddings(vectors[start : start + 8])
+    alone = [(await router.route_embeddings(vectors[i : i + 1]))[0] for i in range(len(vectors))]
+    assert_decides_as_the_batch("prototype", alone, batched)
+    defaults = sum(d.is_default for d in alone)
+    assert 0.1 * len(alone) < defaults < 0.9 * len(alone)
+    assert len({d.winner for d in alone}) > 100

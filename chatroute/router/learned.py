@@ -93,7 +93,8 @@ class LearnedDecisions:
     def one(
         self, state: Any, index: ProfileIndex, queries: npt.NDArray[np.float32], k: int, gate: str
     ) -> RouteDecision:
-        """The decision for one L2-normalised query row (the same as in any batch)."""
+        """The decision for one L2-normalised query row (a batch's, its scores within the
+        mode's `ONE_QUERY_TOLERANCE`)."""
         match_scores, match_ids = index.search(queries, k, normalized=True)
         scores, ids = match_scores.tolist()[0], match_ids.tolist()[0]
         top, values, winner, best, gated = self.mode.score_one(

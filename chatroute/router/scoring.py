@@ -46,6 +46,8 @@ OneScored = tuple[list[int], list[float], int, float, float]
 
 # Route scores this close to the best count as a tie; ties go to the route listed first.
 TIE_TOLERANCE = 1e-6
+# How far a query's scores alone (`score_one`) may be from the same query's in a batch.
+ONE_QUERY_TOLERANCE = 1e-6
 # What `rank_one` writes over a column it has picked.
 _PICKED = np.float32(-np.inf)
 
@@ -58,7 +60,8 @@ class ScoringMode(ABC):
     (one score per route column for each query row), and may override `score_one` (a
     single query's decision values, with fewer array calls than a one-row batch). Scores
     are float32 computed in float64, so that a query's scores do not depend on the batch
-    it came in.
+    it came in; a one-query path may compute in float32 (`prototype` does), within
+    `ONE_QUERY_TOLERANCE` of the batch's scores.
     """
 
     name: ClassVar[str]
@@ -138,7 +141,8 @@ class ScoringMode(ABC):
 
         Returns the `shown` best columns (best first, as `rank_columns` orders them), their
         scores, the winner's column (`pick_winners`), its score and its `gate` score. Dense
-        modes may override it with fewer array calls; the values must stay the batch's.
+        modes may override it with fewer array calls or narrower floats; the winner must
+        stay the batch's, the scores within `ONE_QUERY_TOLERANCE` of the batch's.
         """
         queries = query[None, :]
         row = self.route_scores(state, queries)[0]
@@ -283,6 +287,11 @@ class PrototypeScoring(_GradientTrained):
     decision's `score` is its winner's entry in `scores`), "centroid" (the query's cosine
     to the winner's centroid), "nearest" (the best profile cosine) or "blend" (the mean of
     those three cosines; the best fit on CLINC150's validation split).
+
+    A batch computes its cosines in float64; a query alone (the latency path) takes a
+    float32 product with the prototypes and the index's own nearest cosine, within 1e-6
+    of the batch's scores (a route whose score is that close to another's may take its
+    place at the end of `scores`).
     """
 
     name = "prototype"
@@ -339,10 +348,19 @@ class PrototypeScoring(_GradientTrained):
                 f"the prototype head has shape {prototypes.shape}, "
                 f"the index needs ({routes}, {index.dimension})"
             )
+        # The batch path's float64 tables, then the one-query path's float32 rows (the
+        # head's own arrays: half the bytes a latency-bound product reads). A float32
+        # product's last bit can depend on a row's position, so identical prototypes (twin
+        # routes) are scored once and spread back, and twins still tie exactly.
+        rows = np.ascontiguousarray(prototypes, dtype=np.float32)
+        distinct, spread = np.unique(rows, axis=0, return_inverse=True)
         return (
             np.ascontiguousarray(prototypes.T, dtype=np.float64),
             np.ascontiguousarray(centroids, dtype=np.float64),
             index.vectors,
+            rows if len(distinct) == routes else np.ascontiguousarray(distinct),
+            np.ascontiguousarray(centroids, dtype=np.float32),
+            None if len(distinct) == routes else spread.reshape(-1),
         )
 
     def route_scores(self, state: Any, queries: Float32Array) -> Float32Array:
@@ -362,20 +380,20 @@ class PrototypeScoring(_GradientTrained):
         shown: int,
         gate: str,
     ) -> OneScored:
-        prototypes_t, centroids, vectors = state
-        wide = query.astype(np.float64)  # the float64 query every product below reads
-        top, values, winner, best = rank_one(np.dot(wide, prototypes_t), shown)
+        # float32 products of the head's float32 rows: within 1e-6 of the batch's float64
+        # scores (docs/scoring.md), and the nearest cosine is the index's own.
+        prototypes, centroids, spread = state[3:]
+        row = np.dot(prototypes, query)
+        top, values, winner, best = rank_one(row if spread is None else row[spread], shown)
         if gate == "prototype":
             return top, values, winner, best, best
-        # `gate`'s one-query products and sums, in its order (np.dot widens a float32 row).
         if gate == "nearest":
-            value = float(np.dot(vectors[nearest_id], wide))
-        else:
-            value = float(np.dot(centroids[winner], wide))
-            if gate == "blend":
-                value += best
-                value += float(np.dot(vectors[nearest_id], wide))
-                value /= 3.0
+            return top, values, winner, best, nearest
+        value = float(np.dot(centroids[winner], query))
+        if gate == "blend":  # the mean of the three cosines, summed in float64
+            value += best
+            value += nearest
+            value /= 3.0
         return top, values, winner, best, float(np.float32(value))
 
     def gate(
@@ -390,7 +408,7 @@ class PrototypeScoring(_GradientTrained):
     ) -> Float32Array:
         if oos_score == "prototype" or (oos_score == "nearest" and nearest_ids is None):
             return super().gate(state, queries, scores, winners, nearest, oos_score)
-        _, centroids, vectors = state
+        _, centroids, vectors = state[:3]
         # Cosines to the winner's centroid and the nearest profile are recomputed here in
         # float64 (the index's own float32 scores may differ in their last bit between a
         # batch and a single query), so that a query's score does not depend on its batch.
