@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from bench._common import command, machine, pct, table
-from bench.load_soak import Service
+from bench._soak_service import Service
 from bench.proxy_overhead import config, timed
 from tests.fakes import FakeUpstream, Ok
 

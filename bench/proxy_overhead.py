@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from bench._common import command, machine, pct, table
-from bench.load_soak import Service
+from bench._soak_service import Service
 from tests.fakes import FakeUpstream, Ok
 
 

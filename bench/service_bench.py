@@ -48,18 +48,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -67,378 +63,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import (
-    REPO,
-    command,
-    load_clinc150,
-    local_env,
-    machine,
-    pct,
-    table,
-    write_section,
+from bench._common import REPO, command, load_clinc150, machine, pct, table, write_section
+
+# The processes, the overhead measurement and the load client have modules of their own;
+# other benches still import the names they use (`sb.QUESTION`, `sb.running`...) from here.
+from bench._service_load import Conn as Conn
+from bench._service_load import classify_load, route_load
+from bench._service_overhead import QUESTION as QUESTION
+from bench._service_overhead import _timed_call as _timed_call
+from bench._service_overhead import overhead
+from bench._service_start import (
+    _free_port,
+    loadavg,
+    make_config,
+    process_cpu,
+    start_service,
+    start_upstream,
+    uvicorn_stack,
+    uvicorn_version,
 )
-
-QUESTION = "How do I reverse a list in Python?"
-BENCH_KEY_ENV = "CHATROUTE_BENCH_PROVIDER_KEY"
-
-
-# ------------------------------------------------------------------------------ processes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _service_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("CHATROUTE_API_KEYS", None)  # /v1 open: no auth in the measured path
-    env[BENCH_KEY_ENV] = "bench-key"  # the Anthropic provider sends a key, as a real one does
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return local_env(env)
-
-
-@contextmanager
-def running(
-    argv: list[str], *, log: Path, env: Mapping[str, str] | None = None
-) -> Iterator[subprocess.Popen[str]]:
-    """Run a child process (its own process group), stopping it on exit; `env` adds to
-    the environment it gets."""
-    with open(log, "w", encoding="utf-8") as sink:
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=sink,
-            text=True,
-            env={**_service_env(), **(env or {})},
-            cwd=REPO,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
-def start_upstream(stack: ExitStack, args: argparse.Namespace, workdir: Path) -> int:
-    argv = [
-        sys.executable,
-        str(REPO / "bench" / "_fixed_upstream.py"),
-        "--port",
-        "0",
-        "--delay-ms",
-        str(args.delay_ms),
-        "--chunks",
-        "8",
-        "--chunk-delay-ms",
-        "1",
-    ]
-    proc = stack.enter_context(running(argv, log=workdir / "upstream.log"))
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("PORT "):
-        raise RuntimeError(f"the fixed upstream did not start: {line!r}")
-    return int(line.split()[1])
-
-
-def chatroute_argv(config: Path) -> list[str]:
-    script = Path(sys.executable).with_name("chatroute")
-    if script.exists():
-        return [str(script), "serve", "--config", str(config)]
-    code = "import sys; from chatroute.cli import main; sys.argv[0] = 'chatroute'; main()"
-    return [sys.executable, "-c", code, "serve", "--config", str(config)]
-
-
-def start_service(stack: ExitStack, config: Path, port: int, workdir: Path) -> int:
-    proc = stack.enter_context(running(chatroute_argv(config), log=workdir / "service.log"))
-    deadline = time.monotonic() + 600
-    with httpx.Client() as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log = (workdir / "service.log").read_text(encoding="utf-8")[-3000:]
-                raise RuntimeError(f"the service exited ({proc.returncode}):\n{log}")
-            try:
-                if client.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    return proc.pid
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-    raise RuntimeError("the service did not become ready within 600 s")
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used so far; nan without /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg", encoding="ascii") as fh:
-            return " ".join(fh.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-# ---------------------------------------------------------------------------------- config
-
-
-def provider_config(upstream_port: int, kind: str = "openai") -> dict[str, Any]:
-    """The provider on the fixed upstream: OpenAI-compatible, or Anthropic's Messages API."""
-    if kind == "anthropic":
-        return {
-            "type": "anthropic",
-            "base_url": f"http://127.0.0.1:{upstream_port}",
-            "model": "fixed-model",
-            "api_key_env": BENCH_KEY_ENV,
-        }
-    return {
-        "type": "openai",
-        "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-        "model": "fixed-model",
-    }
-
-
-def make_config(
-    data: dict[str, list[tuple[str, str]]],
-    upstream_port: int,
-    port: int,
-    per_route: int,
-    provider: str = "openai",
-) -> dict[str, Any]:
-    utterances: dict[str, list[str]] = {}
-    for text, intent in data["train"]:
-        bucket = utterances.setdefault(intent, [])
-        if len(bucket) < per_route:
-            bucket.append(text)
-    routes: dict[str, Any] = {
-        intent: {"utterances": texts, "targets": ["fixed"]}
-        for intent, texts in sorted(utterances.items())
-    }
-    routes["general"] = {"targets": ["fixed"]}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "log_level": "warning",
-            "max_classify_inputs": 4096,
-        },
-        "embedder": {"model": "default", "device": "cpu"},
-        "routing": {
-            "top_k": 5,
-            "aggregation": "mean",
-            "threshold": 0.3,
-            "default_route": "general",
-        },
-        "providers": {"fixed": provider_config(upstream_port, provider)},
-        "routes": routes,
-    }
-
-
-# ------------------------------------------------------------------------ a. proxy overhead
-
-
-def _timed_call(
-    client: httpx.Client, url: str, body: bytes, stream: bool, end: bytes = b"[DONE]"
-) -> float:
-    """Seconds to the full answer (non-streaming) or to the first content token (a stream
-    must then go on to `end`, its last event)."""
-    headers = {"content-type": "application/json"}
-    started = time.perf_counter()
-    if not stream:
-        response = client.post(url, content=body, headers=headers)
-        elapsed = time.perf_counter() - started
-        if response.status_code != 200 or b"word0" not in response.content:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
-        return elapsed
-    first: float | None = None
-    seen = b""
-    with client.stream("POST", url, content=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}")
-        for chunk in response.iter_raw():
-            seen += chunk
-            if first is None and b"word0" in seen:
-                first = time.perf_counter() - started
-    if first is None or end not in seen:
-        raise RuntimeError(f"{url}: the stream had no content or no {end.decode()}")
-    return first
-
-
-def overhead(
-    direct_url: str,
-    service_url: str,
-    service_pid: int,
-    pairs: int,
-    rounds: int,
-    stream: bool,
-    provider: str = "openai",
-    floor_url: str | None = None,
-) -> dict[str, Any]:
-    """Added latency of chatroute over calling the upstream directly, in interleaved calls.
-
-    With `floor_url` (a relay on the stack the chat endpoint runs on, with no chatroute
-    code: `bench/proxy_floor.py`'s rung 5), a third arm goes through it in the same
-    rotations, so the run also says what the stack alone adds at this moment.
-    """
-    messages = [{"role": "user", "content": QUESTION}]
-    body = json.dumps({"model": "general", "messages": messages, "stream": stream}).encode()
-    direct_body, direct_end = body, b"[DONE]"
-    if provider == "anthropic":  # the direct arm speaks the upstream's own format
-        direct_body = json.dumps(
-            {"model": "fixed-model", "max_tokens": 4096, "messages": messages, "stream": stream}
-        ).encode()
-        direct_end = b"message_stop"
-    direct_client = httpx.Client(timeout=30)
-    service_client = httpx.Client(timeout=30)
-    arms = {
-        "direct": (direct_client, direct_url, direct_body, direct_end),
-        "chatroute": (service_client, service_url, body, b"[DONE]"),
-    }
-    floor_client: httpx.Client | None = None
-    if floor_url is not None:  # the relay forwards the body as it is
-        floor_client = httpx.Client(timeout=30)
-        arms["floor"] = (floor_client, floor_url, direct_body, direct_end)
-    for _ in range(30):  # warm every arm's connection and code path
-        for client, url, payload, end in arms.values():
-            _timed_call(client, url, payload, stream, end)
-    per_round = []
-    for _ in range(rounds):
-        times: dict[str, list[float]] = {arm: [] for arm in arms}
-        cpu_before = process_cpu(service_pid)
-        for i in range(pairs):
-            order = ["direct", "chatroute"] if i % 2 == 0 else ["chatroute", "direct"]
-            if "floor" in arms:  # every order of the three arms once in six rotations
-                order.insert(i % 3, "floor")
-            for arm in order:
-                client, url, payload, end = arms[arm]
-                times[arm].append(_timed_call(client, url, payload, stream, end))
-        cpu = (process_cpu(service_pid) - cpu_before) / pairs
-        paired = [s - d for s, d in zip(times["chatroute"], times["direct"], strict=True)]
-        per_round.append(
-            {
-                "direct_p50": pct(times["direct"], 0.5),
-                "direct_p99": pct(times["direct"], 0.99),
-                "service_p50": pct(times["chatroute"], 0.5),
-                "service_p99": pct(times["chatroute"], 0.99),
-                "added_p50": pct(times["chatroute"], 0.5) - pct(times["direct"], 0.5),
-                "added_p99": pct(times["chatroute"], 0.99) - pct(times["direct"], 0.99),
-                "paired_median": statistics.median(paired),
-                "service_cpu": cpu,
-                "floor_added_p50": (
-                    pct(times["floor"], 0.5) - pct(times["direct"], 0.5)
-                    if "floor" in times
-                    else math.nan
-                ),
-            }
-        )
-    direct_client.close()
-    service_client.close()
-    if floor_client is not None:
-        floor_client.close()
-    ordered = sorted(per_round, key=lambda r: r["added_p50"])
-    median_round = ordered[len(ordered) // 2]
-    return {
-        "median": median_round,
-        "added_p50_rounds": [r["added_p50"] for r in per_round],
-        "pairs": pairs,
-        "rounds": rounds,
-    }
-
-
-# ------------------------------------------------------------- minimal HTTP/1.1 load client
-
-
-class Conn:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads Content-Length answers."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int):
-        self.reader = reader
-        self.writer = writer
-        self.host = f"127.0.0.1:{port}".encode()
-
-    @classmethod
-    async def open(cls, port: int) -> Conn:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return cls(reader, writer, port)
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        self.writer.write(
-            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host, len(body), body)
-        )
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = None
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value.strip())
-        if length is None:
-            raise RuntimeError("the load client needs Content-Length answers")
-        return status, await self.reader.readexactly(length)
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
-
-
-async def route_load(port: int, texts: Sequence[str], clients: int) -> tuple[float, list[float]]:
-    """Every text once through /v1/route by `clients` concurrent connections."""
-    bodies = [json.dumps({"input": t}).encode() for t in texts]
-    conns = [await Conn.open(port) for _ in range(clients)]
-    for conn in conns:  # warm
-        await conn.post("/v1/route", bodies[0])
-    latencies: list[float] = []
-    queue = iter(bodies)
-
-    async def worker(conn: Conn) -> None:
-        for body in queue:
-            started = time.perf_counter()
-            status, payload = await conn.post("/v1/route", body)
-            latencies.append(time.perf_counter() - started)
-            if status != 200:
-                raise RuntimeError(f"/v1/route: HTTP {status}: {payload[:200]!r}")
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in conns))
-    elapsed = time.perf_counter() - started
-    for conn in conns:
-        await conn.close()
-    return len(bodies) / elapsed, latencies
-
-
-async def classify_load(port: int, batches: Sequence[Sequence[str]]) -> float:
-    """Inputs per second through /v1/classify, one batch per request, one at a time."""
-    bodies = [json.dumps({"inputs": list(b)}).encode() for b in batches]
-    conn = await Conn.open(port)
-    await conn.post("/v1/classify", bodies[0])
-    started = time.perf_counter()
-    for body in bodies:
-        status, payload = await conn.post("/v1/classify", body)
-        if status != 200:
-            raise RuntimeError(f"/v1/classify: HTTP {status}: {payload[:200]!r}")
-    elapsed = time.perf_counter() - started
-    await conn.close()
-    return sum(len(b) for b in batches) / elapsed
-
+from bench._service_start import chatroute_argv as chatroute_argv
+from bench._service_start import running as running
 
 # ------------------------------------------------------------------------------------ main
 
@@ -449,17 +98,6 @@ def fmt(value: float, digits: int = 2) -> str:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
-
-
-def uvicorn_stack() -> str:
-    parts = []
-    for name in ("uvloop", "httptools"):
-        try:
-            __import__(name)
-            parts.append(f"{name} available")
-        except ImportError:
-            parts.append(f"no {name}")
-    return ", ".join(parts)
 
 
 def verdict(ok: bool) -> str:
@@ -720,12 +358,6 @@ def run(args: argparse.Namespace) -> str:
         "",
     ]
     return "\n".join(header) + "\n" + "\n\n".join(sections)
-
-
-def uvicorn_version() -> str:
-    import uvicorn
-
-    return str(uvicorn.__version__)
 
 
 def main(argv: list[str] | None = None) -> None:
