@@ -258,11 +258,11 @@ def test_a_cross_origin_answer_exposes_the_chatroute_headers(stack: ServiceStack
     assert "x-chatroute-provider" in exposed and "x-chatroute-overridden" in exposed
 
 
-def test_the_chat_and_routing_paths_are_matched_first_and_the_rest_still_answer(
+def test_the_chat_routing_and_embeddings_paths_are_matched_first_and_the_rest_still_answer(
     stack: ServiceStack,
 ) -> None:
     paths = [getattr(route, "path", None) for route in stack.app.router.routes]
-    assert paths[:3] == ["/v1/chat/completions", "/v1/route", "/v1/classify"]
+    assert paths[:4] == ["/v1/chat/completions", "/v1/route", "/v1/classify", "/v1/embeddings"]
     # The routes behind them still answer, the docs and the nested models router included.
     assert stack.http.get("/healthz").json() == {"status": "ok"}
     assert stack.http.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]

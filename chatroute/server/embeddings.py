@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pydantic
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictInt
 
@@ -248,9 +248,10 @@ def install_embeddings(
     `ready` returns the running service (or raises the not-ready APIError); `list_models`
     answers `GET /v1/models`, whose entries `GET /v1/models/{model_id}` looks up.
     """
-    router = APIRouter()
 
-    @router.post(
+    # On the app itself, not an included router: FastAPI matches an included router as one
+    # entry after the app's own routes, so `hot_paths_first` could not put this path first.
+    @app.post(
         EMBEDDINGS_PATH,
         tags=["openai"],
         openapi_extra={
@@ -291,7 +292,7 @@ def install_embeddings(
         service.metrics.observe_request("embeddings", "", 200, time.perf_counter() - started)
         return Response(content, media_type="application/json", headers=headers)
 
-    @router.get("/v1/models/{model_id:path}", tags=["openai"])
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         """One entry of `/v1/models`; 404 for an id it does not list."""
         listing = await list_models(request)
@@ -302,5 +303,3 @@ def install_embeddings(
         raise APIError(
             404, f"The model '{shown}' does not exist", param="model", code="model_not_found"
         )
-
-    app.include_router(router)
