@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
 
+from chatroute.server.handlers import DirectRoute
 from tests.conftest import ServiceStack
 from tests.fakes import Events, Status
 
@@ -268,3 +271,25 @@ def test_the_chat_routing_and_embeddings_paths_are_matched_first_and_the_rest_st
     assert stack.http.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
     assert stack.http.get("/v1/models/general").json()["id"] == "general"
     assert stack.http.get("/v1/models/nothing-here").status_code == 404
+
+
+def test_a_direct_route_refuses_an_endpoint_it_could_not_call_with_the_request_alone() -> None:
+    async def takes_more(request: Request, limit: int = 3) -> Response:
+        return Response()
+
+    def not_async(request: Request) -> Response:
+        return Response()
+
+    async def fine(request: Request) -> Response:
+        return Response(b"ok")
+
+    app = FastAPI()
+    for endpoint in (takes_more, not_async):
+        with pytest.raises(TypeError, match="only the request"):
+            app.router.add_api_route("/x", endpoint, route_class_override=DirectRoute)
+    with pytest.raises(TypeError, match="dependencies"):
+        app.router.add_api_route(
+            "/y", fine, route_class_override=DirectRoute, dependencies=[Depends(lambda: None)]
+        )
+    app.router.add_api_route("/z", fine, methods=["POST"], route_class_override=DirectRoute)
+    assert "/z" in app.openapi()["paths"]

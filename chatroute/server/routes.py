@@ -16,6 +16,7 @@ from chatroute.server.embeddings import (
     install_embeddings,
 )
 from chatroute.server.errors import APIError
+from chatroute.server.handlers import DirectRoute
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
 from chatroute.server.request_log import note_inputs
 from chatroute.server.service import (
@@ -144,10 +145,11 @@ def install_routes(app: FastAPI) -> None:
         service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
         return JSONResponse({"object": "list", "data": data})
 
-    app.add_api_route(
+    app.router.add_api_route(
         CHAT_PATH,
         chat_completions,
         methods=["POST"],
+        route_class_override=DirectRoute,
         tags=["openai"],
         openapi_extra={
             "requestBody": {
