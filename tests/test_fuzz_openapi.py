@@ -63,6 +63,7 @@ def test_fuzzed_requests_never_get_a_server_error(stack: ServiceStack) -> None:
     auth = {"authorization": f"Bearer {stack.key}"}
     statuses: Counter[int] = Counter()
     operations: Counter[str] = Counter()
+    chat_bodies = [0]
 
     @settings(
         max_examples=EXAMPLES,
@@ -72,9 +73,13 @@ def test_fuzzed_requests_never_get_a_server_error(stack: ServiceStack) -> None:
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=cases, named_route=st.booleans())
-    def one(case: Any, named_route: bool) -> None:
-        if named_route and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
+    @given(case=cases)
+    def one(case: Any) -> None:
+        chat = case.path == "/v1/chat/completions" and isinstance(case.body, dict)
+        chat_bodies[0] += chat
+        # Every other chat body (counted, not drawn: a drawn flag came out false for every
+        # chat in some runs, and then no valid chat reached the upstream).
+        if chat and chat_bodies[0] % 2:
             # Keep the fuzzed options, but make the conversation one that can be served.
             case.body["model"] = "chain"
             case.body["messages"] = [{"role": "user", "content": "hello there"}]

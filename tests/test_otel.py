@@ -261,3 +261,21 @@ def test_an_exporter_that_is_not_installed_leaves_tracing_off(
     resource = layer.provider.resource  # type: ignore[attr-defined]
     assert resource.attributes["service.name"] == "gw"
     layer.shutdown()
+
+
+def test_only_the_service_records_spans_when_a_global_provider_is_configured(
+    fresh: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if the process had a global provider (auto-instrumentation, say): FastAPI's own
+    # telemetry is off, so a request is still the service's spans alone, one server span.
+    from opentelemetry import trace
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(fresh.exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    fresh.client().chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "tell me a joke"}]
+    )
+    spans = fresh.spans()
+    assert {span.name for span in spans} == {"chat chat", "chat fallback-model"}
+    assert [span.kind for span in spans].count(SpanKind.SERVER) == 1

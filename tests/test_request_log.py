@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -21,6 +22,7 @@ from chatroute.server.request_log import (
     RequestIdFilter,
     clean_request_id,
     key_hash,
+    random_hex,
 )
 from chatroute.server.startup import ReadyServer, log_startup, startup_summary
 from tests.conftest import ServiceStack
@@ -272,6 +274,25 @@ def test_request_ids_are_generated_or_replaced_when_malformed_and_returned_on_ev
     assert logs.request_line("cls-1").request["inputs"] == 2
     assert "wrong-key-abcdef" not in logs.text() and stack.key not in logs.text()
     assert clean_request_id(b"ok_id:1.2/3") == "ok_id:1.2/3"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_generated_ids_are_unique_also_in_a_forked_worker() -> None:
+    ids = {random_hex() for _ in range(10_000)}
+    assert len(ids) == 10_000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    # A forked child starts from a copy of the parent's generator: it must not repeat
+    # the parent's next ids.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send its next id and leave without running anything else
+        os.write(write, random_hex().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert re.fullmatch(r"[0-9a-f]{32}", child)
+    assert child != random_hex()
 
 
 def test_decisions_are_counted_per_endpoint_and_the_scoring_mode_is_exported(

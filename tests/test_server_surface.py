@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
 
+from chatroute.server.handlers import DirectRoute
 from tests.conftest import ServiceStack
 from tests.fakes import Events, Status
 
@@ -258,13 +261,35 @@ def test_a_cross_origin_answer_exposes_the_chatroute_headers(stack: ServiceStack
     assert "x-chatroute-provider" in exposed and "x-chatroute-overridden" in exposed
 
 
-def test_the_chat_and_routing_paths_are_matched_first_and_the_rest_still_answer(
+def test_the_chat_routing_and_embeddings_paths_are_matched_first_and_the_rest_still_answer(
     stack: ServiceStack,
 ) -> None:
     paths = [getattr(route, "path", None) for route in stack.app.router.routes]
-    assert paths[:3] == ["/v1/chat/completions", "/v1/route", "/v1/classify"]
+    assert paths[:4] == ["/v1/chat/completions", "/v1/route", "/v1/classify", "/v1/embeddings"]
     # The routes behind them still answer, the docs and the nested models router included.
     assert stack.http.get("/healthz").json() == {"status": "ok"}
     assert stack.http.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
     assert stack.http.get("/v1/models/general").json()["id"] == "general"
     assert stack.http.get("/v1/models/nothing-here").status_code == 404
+
+
+def test_a_direct_route_refuses_an_endpoint_it_could_not_call_with_the_request_alone() -> None:
+    async def takes_more(request: Request, limit: int = 3) -> Response:
+        return Response()
+
+    def not_async(request: Request) -> Response:
+        return Response()
+
+    async def fine(request: Request) -> Response:
+        return Response(b"ok")
+
+    app = FastAPI()
+    for endpoint in (takes_more, not_async):
+        with pytest.raises(TypeError, match="only the request"):
+            app.router.add_api_route("/x", endpoint, route_class_override=DirectRoute)
+    with pytest.raises(TypeError, match="dependencies"):
+        app.router.add_api_route(
+            "/y", fine, route_class_override=DirectRoute, dependencies=[Depends(lambda: None)]
+        )
+    app.router.add_api_route("/z", fine, methods=["POST"], route_class_override=DirectRoute)
+    assert "/z" in app.openapi()["paths"]

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pydantic
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictInt
 
@@ -20,7 +20,7 @@ from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.embedder.errors import EmbedderClosedError, EmbedderOverloadedError
 from chatroute.server.errors import APIError
 from chatroute.server.guard import PARSED_BODY, is_json, parse_json
-from chatroute.server.handlers import validation_error
+from chatroute.server.handlers import DirectRoute, validation_error
 
 if TYPE_CHECKING:
     from chatroute.server.app import Service
@@ -248,18 +248,7 @@ def install_embeddings(
     `ready` returns the running service (or raises the not-ready APIError); `list_models`
     answers `GET /v1/models`, whose entries `GET /v1/models/{model_id}` looks up.
     """
-    router = APIRouter()
 
-    @router.post(
-        EMBEDDINGS_PATH,
-        tags=["openai"],
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": EMBEDDINGS_REQUEST_SCHEMA}}},
-            }
-        },
-    )
     async def embeddings(request: Request) -> Response:
         """OpenAI embeddings from the local embedder (the one routing uses, same batches).
 
@@ -291,7 +280,23 @@ def install_embeddings(
         service.metrics.observe_request("embeddings", "", 200, time.perf_counter() - started)
         return Response(content, media_type="application/json", headers=headers)
 
-    @router.get("/v1/models/{model_id:path}", tags=["openai"])
+    # On the app itself, not an included router: FastAPI matches an included router as one
+    # entry after the app's own routes, so `hot_paths_first` could not put this path first.
+    app.router.add_api_route(
+        EMBEDDINGS_PATH,
+        embeddings,
+        methods=["POST"],
+        route_class_override=DirectRoute,
+        tags=["openai"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": EMBEDDINGS_REQUEST_SCHEMA}}},
+            }
+        },
+    )
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         """One entry of `/v1/models`; 404 for an id it does not list."""
         listing = await list_models(request)
@@ -302,5 +307,3 @@ def install_embeddings(
         raise APIError(
             404, f"The model '{shown}' does not exist", param="model", code="model_not_found"
         )
-
-    app.include_router(router)

@@ -7,10 +7,11 @@ import datetime
 import hashlib
 import json
 import logging
+import os
+import random
 import re
 import sys
 import time
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -34,6 +35,7 @@ __all__ = [
     "note_decision",
     "note_inputs",
     "note_trace",
+    "random_hex",
     "request_fields",
 ]
 
@@ -45,12 +47,25 @@ _QUIET_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 logger = logging.getLogger("chatroute.requests")
 
 
+# Ids need to be unique, not secret: a generator seeded from the OS once (again in a forked
+# child), instead of `uuid4()`'s `os.urandom` per id. That call releases the GIL, and under
+# load the event loop then waited for a model or tokeniser thread to give it back: 0.19 ms a
+# request (profiled, 64 clients on /v1/embeddings), against under 1 us here.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
+def random_hex() -> str:
+    """A new random id: 32 hex digits (128 bits), unique across requests and processes."""
+    return f"{_ids.getrandbits(128):032x}"
+
+
 def clean_request_id(raw: bytes | None) -> str:
     """The caller's request id when it is 1-128 characters of `A-Za-z0-9._:@+=/-`;
     otherwise (none, too long, other characters) a new random one (32 hex digits)."""
     if raw is not None and _ID_PATTERN.fullmatch(raw):
         return raw.decode("ascii")
-    return uuid.uuid4().hex
+    return random_hex()
 
 
 def key_hash(token: bytes | str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +30,7 @@ from chatroute.chat.types import (
 )
 from chatroute.providers.mapping import AUDIO_MEDIA_TYPES, OPENAI_EXTRA_FIELDS
 from chatroute.server.errors import APIError
+from chatroute.server.request_log import random_hex
 
 __all__ = [
     "ChatCall",
@@ -522,7 +522,7 @@ def _choice_body(response: ChatResponse, index: int) -> dict[str, Any]:
 
 
 def _new_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+    return f"chatcmpl-{random_hex()}"
 
 
 _TEXTS = (TextContent, TextReasoningContent)  # a tuple: no union object per call
