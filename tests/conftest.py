@@ -31,6 +31,36 @@ for _name in ("http_proxy", "https_proxy", "all_proxy"):
     os.environ.pop(_name.upper(), None)
 
 
+def _trust_one_root() -> None:
+    """Point SSL_CERT_FILE (which httpx, the SDKs' clients and the providers read) at one
+    public root certificate instead of the ~150 of the full bundle.
+
+    Every server the tests reach is on 127.0.0.1, most over plain HTTP; the TLS test brings
+    its own trust. Each HTTP client made loads its CA file: 27 ms for the bundle, 1.5 ms for
+    one certificate, and the suite makes a couple of hundred clients.
+    """
+    import atexit
+    import re
+    import tempfile
+
+    import certifi
+
+    bundle = Path(certifi.where()).read_text(encoding="ascii")
+    first = re.search(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----\n", bundle, re.S)
+    if first is None:
+        return
+    fd, name = tempfile.mkstemp(prefix="chatroute-tests-", suffix=".pem")
+    with os.fdopen(fd, "w", encoding="ascii") as fh:
+        fh.write(first.group(0))
+    atexit.register(os.unlink, name)
+    os.environ["SSL_CERT_FILE"] = name
+    os.environ.pop("SSL_CERT_DIR", None)
+
+
+if "SSL_CERT_FILE" not in os.environ and "SSL_CERT_DIR" not in os.environ:
+    _trust_one_root()
+
+
 class BorrowedEmbedder(EmbeddingGenerator):
     """Lends a shared generator to code that closes what it is given: `aclose` is a no-op."""
 
@@ -91,7 +121,8 @@ def _chatroute_logging() -> Iterator[None]:
     handlers, level, propagate = list(target.handlers), target.level, target.propagate
     yield
     target.handlers[:] = handlers
-    target.setLevel(level)
+    if target.level != level:  # setLevel clears the cache of every logger (thousands here)
+        target.setLevel(level)
     target.propagate = propagate
 
 
