@@ -31,6 +31,36 @@ for _name in ("http_proxy", "https_proxy", "all_proxy"):
     os.environ.pop(_name.upper(), None)
 
 
+def _trust_one_root() -> None:
+    """Point SSL_CERT_FILE (which httpx, the SDKs' clients and the providers read) at one
+    public root certificate instead of the ~150 of the full bundle.
+
+    Every server the tests reach is on 127.0.0.1, most over plain HTTP; the TLS test brings
+    its own trust. Each HTTP client made loads its CA file: 27 ms for the bundle, 1.5 ms for
+    one certificate, and the suite makes a couple of hundred clients.
+    """
+    import atexit
+    import re
+    import tempfile
+
+    import certifi
+
+    bundle = Path(certifi.where()).read_text(encoding="ascii")
+    first = re.search(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----\n", bundle, re.S)
+    if first is None:
+        return
+    fd, name = tempfile.mkstemp(prefix="chatroute-tests-", suffix=".pem")
+    with os.fdopen(fd, "w", encoding="ascii") as fh:
+        fh.write(first.group(0))
+    atexit.register(os.unlink, name)
+    os.environ["SSL_CERT_FILE"] = name
+    os.environ.pop("SSL_CERT_DIR", None)
+
+
+if "SSL_CERT_FILE" not in os.environ and "SSL_CERT_DIR" not in os.environ:
+    _trust_one_root()
+
+
 class BorrowedEmbedder(EmbeddingGenerator):
     """Lends a shared generator to code that closes what it is given: `aclose` is a no-op."""
 
@@ -91,7 +121,8 @@ def _chatroute_logging() -> Iterator[None]:
     handlers, level, propagate = list(target.handlers), target.level, target.propagate
     yield
     target.handlers[:] = handlers
-    target.setLevel(level)
+    if target.level != level:  # setLevel clears the cache of every logger (thousands here)
+        target.setLevel(level)
     target.propagate = propagate
 
 
@@ -156,6 +187,67 @@ def config_file(
     return path
 
 
+def _prompt_server(config: Any) -> Any:
+    """A `uvicorn.Server` that starts and stops as soon as it can, for tests that start many.
+
+    uvicorn looks for a stop request every 100 ms and, once stopping, waits another fixed
+    100 ms and then polls its connections every 100 ms: about 0.2 s a server, times every
+    server the suite starts. This one is woken by `stop()` and polls every 5 ms; the rest
+    of its stopping (closing the listener and the connections, waiting for answers in flight
+    up to `timeout_graceful_shutdown`, the app's lifespan shutdown) is uvicorn's order.
+    """
+    import asyncio
+
+    import uvicorn
+
+    class PromptServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self.ready = threading.Event()
+            self._wake: asyncio.Event | None = None
+            self._loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            await super().startup(sockets)
+            self.ready.set()
+
+        async def main_loop(self) -> None:
+            assert self._wake is not None
+            counter = 0
+            while not await self.on_tick(counter):
+                counter = (counter + 1) % 864_000
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.1)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for listener in self.servers:
+                listener.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()
+            state = self.server_state
+            try:
+                async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                    while state.connections or state.tasks:
+                        await asyncio.sleep(0.005)
+            except TimeoutError:
+                for task in state.tasks:
+                    task.cancel()
+            for listener in self.servers:
+                await listener.wait_closed()
+            await self.lifespan.shutdown()
+
+        def stop(self) -> None:
+            self.should_exit = True
+            loop, wake = self._loop, self._wake
+            if loop is not None and wake is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has already ended
+                    loop.call_soon_threadsafe(wake.set)
+
+    return PromptServer(config)
+
+
 @contextlib.contextmanager
 def _serve(app: Any, timeout: float = 60.0, head_timeout: float = 10.0) -> Iterator[str]:
     import uvicorn
@@ -178,20 +270,22 @@ def _serve(app: Any, timeout: float = 60.0, head_timeout: float = 10.0) -> Itera
         timeout_graceful_shutdown=2,
         timeout_keep_alive=30,
     )
-    server = uvicorn.Server(config)
+    server = _prompt_server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
-    while not server.started:
+    while not server.ready.wait(0.05):
         if not thread.is_alive():
             raise RuntimeError("the server under test failed to start")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server under test did not start within {timeout} s")
-        time.sleep(0.02)
+    if not server.started:  # its start-up failed (the app's lifespan start-up, the socket)
+        thread.join(10)
+        raise RuntimeError("the server under test failed to start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(10)
         sock.close()
 

@@ -22,9 +22,11 @@ from chatroute.cli.classify_command import ClassifyOptions
 from chatroute.cli.classify_ray import LOCAL_CPUS, _cpus_per_actor, start_local_ray
 
 runner = CliRunner()
-# More rows than one read block (the Ray source reads blocks of at least 1024 rows), in
-# batches of 128; short texts, so that the model's time stays small.
-ROWS = 1100
+# The row-for-row run reads blocks of 128 rows (the source's floor, lowered from 1,024 for
+# the test) and decides batches of 32: 300 rows make 3 blocks and 10 batches, the last of
+# each short. Short texts, so that the model's time stays small.
+ROWS = 300
+BLOCK_ROWS = 128
 _TOPICS = ["python bug", "sort a list", "integral", "derivative", "hello friend", "weather"]
 
 
@@ -101,6 +103,7 @@ def test_ray_decisions_equal_the_local_engine_row_for_row(
     monkeypatch: pytest.MonkeyPatch,
     default_embedder: Callable[[], EmbeddingGenerator],
 ) -> None:
+    monkeypatch.setattr("chatroute.cli.classify_ray.MIN_BLOCK_ROWS", BLOCK_ROWS)
     source = tmp_path / "in.jsonl"
     rows = [{"input": t, "id": f"q{n}"} for n, t in enumerate(short_texts(ROWS))]
     rows[10]["input"] = ""
@@ -110,7 +113,7 @@ def test_ray_decisions_equal_the_local_engine_row_for_row(
     summaries = {name: tmp_path / f"{name}.json" for name in ("ray", "local")}
     result = run(
         "classify", "-c", config_file, source, "-o", tmp_path / "ray", "--engine", "ray",
-        "--num-actors", 1, "--batch-size", 128, "--scores", "--summary", summaries["ray"],
+        "--num-actors", 1, "--batch-size", 32, "--scores", "--summary", summaries["ray"],
         "--max-bad", 2, "--no-progress",
     )  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -30,6 +30,9 @@ __all__ = ["TooManyBadRows", "run_ray", "start_local_ray"]
 
 _EXTENSIONS = {"jsonl": ["jsonl", "ndjson", "json"], "csv": ["csv"], "parquet": ["parquet", "pq"]}
 LOCAL_CPUS = 2
+# Rows a Ray read task puts in one block at least (more when --batch-size is larger): big
+# enough that a block's overhead in Ray stays small next to deciding its rows.
+MIN_BLOCK_ROWS = 1024
 
 
 class TooManyBadRows(Exception):
@@ -314,7 +317,7 @@ def run_ray(
                 source,
                 fmt,
                 options.fields,
-                max(options.batch_size, 1024),
+                max(options.batch_size, MIN_BLOCK_ROWS),
                 tally,
                 options.max_bad,
             ),
