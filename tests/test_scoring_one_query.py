@@ -7,6 +7,9 @@ same routes, winners, defaults and matches, scores within `ONE_QUERY_TOLERANCE`.
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -157,11 +160,15 @@ async def test_one_query_decides_as_it_does_in_a_batch(mode: str, gate: str, top
     assert all(d.winner is not twin for d in alone)  # the exact tie goes to r0
 
 
-@pytest.mark.parametrize("gate", SCORING_MODES["prototype"].oos_scores)
-async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(gate: str) -> None:
-    # 150 routes x 20 utterances of dimension 384, 1,500 queries (some on a profile, some
-    # between routes), per-route thresholds around the scores: a query alone gets the
-    # batch's route, winner and default, with scores within the tolerance.
+Scale = tuple[dict[NamedClient, list[str]], FakeEmbeddingGenerator, np.ndarray, Any]
+
+
+@pytest.fixture(scope="module")
+def clinc150_scale() -> tuple[
+    dict[NamedClient, list[str]], FakeEmbeddingGenerator, np.ndarray, Any
+]:
+    """150 routes x 20 utterances of dimension 384, 600 queries (some on a profile, some
+    between routes), and a prototype head trained on them once for the module's gates."""
     rng = np.random.default_rng(150)
     routes, per_route, dimension = 150, 20, 384
     centres = rng.standard_normal((routes, dimension))
@@ -172,12 +179,27 @@ async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(gate: str) 
     profiles = {
         NamedClient(f"r{r}"): [f"r{r}u{i}" for i in range(per_route)] for r in range(routes)
     }
-    picks = rng.integers(routes, size=(1500, 2))
-    mix = rng.uniform(0.0, 1.0, (1500, 1))
+    count = 600
+    picks = rng.integers(routes, size=(count, 2))
+    mix = rng.uniform(0.0, 1.0, (count, 1))
     queries = mix * centres[picks[:, 0]] + (1 - mix) * centres[picks[:, 1]]
-    queries += rng.uniform(0.5, 2.5, (1500, 1)) * rng.standard_normal((1500, dimension))
-    queries[::50] = rows[:: per_route * 5][: len(queries[::50])]
+    queries += rng.uniform(0.5, 2.5, (count, 1)) * rng.standard_normal((count, dimension))
+    queries[::20] = rows[:: per_route * 5][: len(queries[::20])]
     gen = FakeEmbeddingGenerator(table)
+    trained = SemanticRoutingChatClient(gen, profiles, NamedClient("default"), scoring="prototype")
+    asyncio.run(trained.prepare())
+    return profiles, gen, queries.astype(np.float32), trained.profile_index
+
+
+@pytest.mark.parametrize("gate", SCORING_MODES["prototype"].oos_scores)
+async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(
+    gate: str,
+    clinc150_scale: Scale,
+) -> None:
+    # Per-route thresholds around the scores: a query alone gets the batch's route, winner
+    # and default, with scores within the tolerance.
+    profiles, gen, vectors, index = clinc150_scale
+    rng = np.random.default_rng(151)
     thresholds = {client: float(rng.uniform(0.2, 0.5)) for client in profiles}
     router = SemanticRoutingChatClient(
         gen,
@@ -185,8 +207,8 @@ async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(gate: str) 
         NamedClient("default"),
         scoring=make_scoring("prototype", oos_score=gate),
         route_thresholds=thresholds,
+        profile_index=index,
     )
-    vectors = queries.astype(np.float32)
     batched = []  # batches of 8: the index's own float32 search is a single query's
     for start in range(0, len(vectors), 8):
         batched += await router.route_embeddings(vectors[start : start + 8])
@@ -194,4 +216,4 @@ async def test_one_query_decides_as_a_batch_at_the_scale_of_clinc150(gate: str) 
     assert_decides_as_the_batch("prototype", alone, batched)
     defaults = sum(d.is_default for d in alone)
     assert 0.1 * len(alone) < defaults < 0.9 * len(alone)
-    assert len({d.winner for d in alone}) > 100
+    assert len({d.winner for d in alone}) > 100  # of the 150 routes
