@@ -164,9 +164,7 @@ Scale = tuple[dict[NamedClient, list[str]], FakeEmbeddingGenerator, np.ndarray, 
 
 
 @pytest.fixture(scope="module")
-def clinc150_scale() -> tuple[
-    dict[NamedClient, list[str]], FakeEmbeddingGenerator, np.ndarray, Any
-]:
+def clinc150_scale() -> Scale:
     """150 routes x 20 utterances of dimension 384, 600 queries (some on a profile, some
     between routes), and a prototype head trained on them once for the module's gates."""
     rng = np.random.default_rng(150)
