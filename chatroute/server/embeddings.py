@@ -20,7 +20,7 @@ from chatroute.chat.embedding import EmbeddingGenerator
 from chatroute.embedder.errors import EmbedderClosedError, EmbedderOverloadedError
 from chatroute.server.errors import APIError
 from chatroute.server.guard import PARSED_BODY, is_json, parse_json
-from chatroute.server.handlers import DirectRoute, validation_error
+from chatroute.server.handlers import add_direct_route, validation_error
 
 if TYPE_CHECKING:
     from chatroute.server.app import Service
@@ -280,21 +280,8 @@ def install_embeddings(
         service.metrics.observe_request("embeddings", "", 200, time.perf_counter() - started)
         return Response(content, media_type="application/json", headers=headers)
 
-    # On the app itself, not an included router: FastAPI matches an included router as one
-    # entry after the app's own routes, so `hot_paths_first` could not put this path first.
-    app.router.add_api_route(
-        EMBEDDINGS_PATH,
-        embeddings,
-        methods=["POST"],
-        route_class_override=DirectRoute,
-        tags=["openai"],
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": EMBEDDINGS_REQUEST_SCHEMA}}},
-            }
-        },
-    )
+    # On the app itself, so that `hot_paths_first` can put this path first.
+    add_direct_route(app, EMBEDDINGS_PATH, embeddings, EMBEDDINGS_REQUEST_SCHEMA)
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def model(model_id: str, request: Request) -> dict[str, Any]:

@@ -18,7 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chatroute.server.errors import APIError
 from chatroute.server.service import ready_service
 
-__all__ = ["DirectRoute", "error_response", "install_error_handlers", "validation_error"]
+__all__ = [
+    "DirectRoute",
+    "add_direct_route",
+    "error_response",
+    "install_error_handlers",
+    "validation_error",
+]
 
 logger = logging.getLogger("chatroute.server")
 
@@ -45,6 +51,30 @@ class DirectRoute(APIRoute):
                 f"dependencies or a response model: {self.path}"
             )
         return endpoint  # type: ignore[no-any-return]
+
+
+def add_direct_route(
+    app: FastAPI,
+    path: str,
+    endpoint: Callable[[Request], Coroutine[Any, Any, Response]],
+    request_schema: str,
+) -> None:
+    """Register a POST `endpoint` on `DirectRoute`, on the app itself (not an included
+    router, which FastAPI matches after the app's own routes), its request body documented
+    by the schema `request_schema` refers to."""
+    app.router.add_api_route(
+        path,
+        endpoint,
+        methods=["POST"],
+        route_class_override=DirectRoute,
+        tags=["openai"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": request_schema}}},
+            }
+        },
+    )
 
 
 def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:

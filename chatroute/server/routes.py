@@ -16,7 +16,7 @@ from chatroute.server.embeddings import (
     install_embeddings,
 )
 from chatroute.server.errors import APIError
-from chatroute.server.handlers import DirectRoute
+from chatroute.server.handlers import add_direct_route
 from chatroute.server.metrics import PROMETHEUS_CONTENT_TYPE, ServiceMetrics
 from chatroute.server.request_log import note_inputs
 from chatroute.server.service import (
@@ -145,19 +145,7 @@ def install_routes(app: FastAPI) -> None:
         service.metrics.observe_request("classify", "", 200, time.perf_counter() - started)
         return JSONResponse({"object": "list", "data": data})
 
-    app.router.add_api_route(
-        CHAT_PATH,
-        chat_completions,
-        methods=["POST"],
-        route_class_override=DirectRoute,
-        tags=["openai"],
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": CHAT_REQUEST_SCHEMA}}},
-            }
-        },
-    )
+    add_direct_route(app, CHAT_PATH, chat_completions, CHAT_REQUEST_SCHEMA)
 
 
 def hot_paths_first(app: FastAPI) -> None:
