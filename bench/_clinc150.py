@@ -1,13 +1,23 @@
-"""Shared CLINC150 routing setup: stand-in route clients, the data split, an embedding cache."""
+"""Shared CLINC150 routing setup: stand-in route clients, the data split, an embedding cache,
+calibrated routers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from chatroute import ChatClient, ChatMessage, ChatOptions, ChatResponse, EmbeddingGenerator
+from chatroute import (
+    CalibrationResult,
+    ChatClient,
+    ChatMessage,
+    ChatOptions,
+    ChatResponse,
+    EmbeddingGenerator,
+    SemanticRoutingChatClient,
+    calibrate,
+)
 
 PROFILE_SIZE = 20
 
@@ -56,3 +66,30 @@ class CachedGenerator(EmbeddingGenerator):
             vectors = await self.inner.generate(missing)
             self.cache.update(zip(missing, vectors, strict=True))
         return np.stack([self.cache[v] for v in values]).astype(np.float32)
+
+
+async def calibrated(
+    generator: EmbeddingGenerator,
+    profiles: Mapping[ChatClient, list[str]],
+    default: ChatClient,
+    scoring: str,
+    val: Sequence[tuple[str, str | None]],
+    clients: Mapping[str, ChatClient],
+    **settings: Any,
+) -> tuple[SemanticRoutingChatClient, CalibrationResult, SemanticRoutingChatClient]:
+    """A router of `scoring` (with `settings`), the thresholds `calibrate()` fits for it on
+    `val`, and a router on the same profile index deciding with those thresholds."""
+    router = SemanticRoutingChatClient(generator, profiles, default, scoring=scoring, **settings)
+    await router.prepare()
+    fitted = await calibrate(router, val, clients)
+    settings.pop("score_threshold", None)
+    tuned = SemanticRoutingChatClient(
+        generator,
+        profiles,
+        default,
+        scoring=fitted.scoring,
+        route_thresholds=fitted.thresholds,
+        profile_index=router.profile_index,
+        **settings,
+    )
+    return router, fitted, tuned

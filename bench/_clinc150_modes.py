@@ -10,14 +10,13 @@ import tracemalloc
 from typing import Any
 
 import numpy as np
-from _clinc150 import CachedGenerator, RouteClient
+from _clinc150 import CachedGenerator, RouteClient, calibrated
 from _common import table
 
 from chatroute import (
     ProfileIndex,
     SemanticRoutingChatClient,
     SentenceTransformerEmbedder,
-    calibrate,
     evaluate_decisions,
     make_scoring,
 )
@@ -100,23 +99,14 @@ async def scoring_modes(
     rows = []
     tuned_routers: dict[str, SemanticRoutingChatClient] = {}
     for mode in MODES:
-        router = SemanticRoutingChatClient(
+        router, fitted, tuned = await calibrated(
             cached,
             profiles,
             default,
-            scoring=mode,
+            mode,
+            parts["val"],
+            clients,
             score_threshold=args.default_threshold,
-            leave_open=True,
-        )
-        await router.prepare()
-        fitted = await calibrate(router, parts["val"], clients)
-        tuned = SemanticRoutingChatClient(
-            cached,
-            profiles,
-            default,
-            scoring=fitted.scoring,
-            route_thresholds=fitted.thresholds,
-            profile_index=router.profile_index,
             leave_open=True,
         )
         decisions = await tuned.route_batch(queries)

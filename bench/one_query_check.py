@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _clinc150 import CachedGenerator, RouteClient, calibrated, split
 from _common import load_clinc150
-from routing_clinc150 import CachedGenerator, RouteClient, split
 
-from chatroute import SemanticRoutingChatClient, SentenceTransformerEmbedder, calibrate
+from chatroute import SentenceTransformerEmbedder
 
 
 async def main() -> None:
@@ -32,16 +32,7 @@ async def main() -> None:
     default = RouteClient("__default__")
     vectors = await cached.generate([q for q, _ in parts["queries"]])
     for mode in ("knn", "prototype", "adapter"):
-        router = SemanticRoutingChatClient(cached, profiles, default, scoring=mode)
-        fitted = await calibrate(router, parts["val"], clients)
-        tuned = SemanticRoutingChatClient(
-            cached,
-            profiles,
-            default,
-            scoring=fitted.scoring,
-            route_thresholds=fitted.thresholds,
-            profile_index=router.profile_index,
-        )
+        _, fitted, tuned = await calibrated(cached, profiles, default, mode, parts["val"], clients)
         batch = await tuned.route_embeddings(vectors)
         alone = [(await tuned.route_embeddings(vectors[i : i + 1]))[0] for i in range(len(batch))]
         pairs = list(zip(alone, batch, strict=True))
