@@ -169,6 +169,64 @@ def test_a_chat_request_logs_one_line_with_route_attempts_tokens_and_key_hash(
     assert stack.key not in logs.text()
 
 
+def test_every_attempt_sends_the_request_id_upstream(stack: ServiceStack) -> None:
+    # The caller's id, on both attempts of a failed-over stream.
+    stack.upstreams["primary"].script(ServerError())
+    stack.upstreams["fallback"].script(Ok("from the fallback"))
+    with stack.client.chat.completions.with_streaming_response.create(
+        model="auto",
+        messages=[{"role": "user", "content": "hello there"}],
+        stream=True,
+        extra_headers={"x-request-id": "fwd-1"},
+    ) as response:
+        text = "".join(
+            chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices
+        )
+    assert text == "from the fallback"
+    seen = [up.requests[0].headers.get("x-request-id") for up in stack.upstreams.values()]
+    assert seen == ["fwd-1", "fwd-1"]
+    # A generated id reaches the upstream as the caller gets it back.
+    stack.reset()
+    stack.upstreams["primary"].script(Ok("hi"))
+    raw = _chat(stack, None)
+    assert raw.parse().choices[0].message.content == "hi"
+    generated = raw.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    assert stack.upstreams["primary"].requests[0].headers["x-request-id"] == generated
+
+
+async def test_a_configured_request_id_header_wins_and_none_is_sent_outside_a_request() -> None:
+    from chatroute.chat import ChatMessage, ChatRole
+    from chatroute.providers import OpenAIChatClient, request_hooks
+    from tests.fakes import FakeUpstream
+
+    async with FakeUpstream() as up:
+        up.script(Ok("a"), Ok("b"), Ok("c"))
+        fixed = OpenAIChatClient(
+            base_url=up.base_url, model="m", default_headers={"X-Request-ID": "operator-set"}
+        )
+        plain = OpenAIChatClient(base_url=up.base_url, model="m")
+        messages = [ChatMessage(ChatRole.USER, "hi")]
+        token = request_hooks.request_id.set("served-1")
+        try:
+            await fixed.get_response(messages)
+        finally:
+            request_hooks.request_id.reset(token)
+        await plain.get_response(messages)  # not serving a request: no id of ours
+        token = request_hooks.request_id.set("served-2")
+        try:
+            await plain.get_response(messages)
+        finally:
+            request_hooks.request_id.reset(token)
+        await fixed.aclose()
+        await plain.aclose()
+    assert [r.headers.get("x-request-id") for r in up.requests] == [
+        "operator-set",
+        None,
+        "served-2",
+    ]
+
+
 def test_a_stream_logs_its_time_to_first_token_and_counts_tokens_in_metrics(
     stack: ServiceStack, logs: Capture
 ) -> None:

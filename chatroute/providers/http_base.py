@@ -256,6 +256,8 @@ class HTTPChatClient(ChatClient):
         for key, value in headers.items():
             check_header_value(key, value)
         self._headers = headers
+        # The served request's id goes upstream unless the operator set that header.
+        self._forward_request_id = all(key.lower() != "x-request-id" for key in headers)
         self._query = dict(default_query) if default_query else None
         self._url = self.base_url.rstrip("/") + "/"
         connect = _positive("connect_timeout", connect_timeout)
@@ -407,6 +409,9 @@ class HTTPChatClient(ChatClient):
         headers = self._headers
         if request_hooks.header_hook is not None:  # trace context for the upstream
             headers = request_hooks.added_headers(self, headers)
+        forwarded = request_hooks.request_id.get()
+        if forwarded is not None and self._forward_request_id:
+            headers = {**headers, "x-request-id": forwarded}
         try:
             response = await session.post(
                 self._url + self.path,

@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chatroute.providers import request_hooks
 from chatroute.tracing import RequestTrace
 
 __all__ = [
@@ -265,6 +266,7 @@ class RequestLog:
             await send(message)
 
         token = _current.set(weakref.ref(record))
+        upstream_token = request_hooks.request_id.set(request_id)
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
@@ -275,6 +277,7 @@ class RequestLog:
             if record.status is None and record.trace is None:
                 record.status = 499  # nothing was answered: the caller left first
             _log_request(record)
+            request_hooks.request_id.reset(upstream_token)
             _current.reset(token)
 
 
