@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, BaseModel
 
-__all__ = ["header_problem", "known_keys", "url_problem"]
+__all__ = ["header_problem", "key_hint", "known_keys", "url_problem"]
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]*$")
@@ -50,6 +50,36 @@ def known_keys(root: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, N
 
     `loc` is a pydantic error location: field names, and the keys of dict fields.
     """
+    kind = _model_at(root, loc)
+    return _keys_of(kind) if kind is not None else {}
+
+
+def key_hint(root: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """For the unknown key at `loc`: " (did you mean 'X'?)" naming the closest key `root`
+    accepts in its place, or one a block inside it accepts ('timeouts.first_token_timeout'
+    for a provider's 'first_token_timeout'); "" when none is close."""
+    if not loc:
+        return ""
+    import difflib
+
+    key, kind = str(loc[-1]), _model_at(root, loc[:-1])
+    if kind is None:
+        return ""
+    match = difflib.get_close_matches(key, list(_keys_of(kind)), n=1)
+    if not match:
+        nested: dict[str, str] = {}  # a key of an inner block -> its path from here
+        for name, field in kind.model_fields.items():
+            inner = _unwrap(field.annotation)
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                for sub in _keys_of(inner):
+                    nested.setdefault(sub, f"{field.alias or name}.{sub}")
+        found = difflib.get_close_matches(key, list(nested), n=1)
+        match = [nested[found[0]]] if found else []
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model that holds the keys at `loc` (None when `loc` leads elsewhere)."""
     kind: Any = root
     skip = False  # the next part of `loc` is a key of a dict (a provider's name, ...)
     for part in loc:
@@ -57,7 +87,7 @@ def known_keys(root: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, N
             skip = False
             continue
         if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
-            return {}
+            return None
         field = kind.model_fields.get(str(part))
         if field is None:
             field = next(
@@ -65,13 +95,15 @@ def known_keys(root: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, N
                 None,
             )
         if field is None:
-            return {}
+            return None
         kind = _unwrap(field.annotation)
         if get_origin(kind) is dict:
             kind = _unwrap(get_args(kind)[1])
             skip = True
-    if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
-        return {}
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+
+
+def _keys_of(kind: type[BaseModel]) -> dict[str, None]:
     names: dict[str, None] = {}
     for field_name, field in kind.model_fields.items():
         names[field_name] = None

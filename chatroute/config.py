@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from chatroute._config_conversation import ConversationConfig, SessionsConfig
-from chatroute._config_values import header_problem, known_keys, url_problem
+from chatroute._config_values import header_problem, key_hint, url_problem
 from chatroute.chat.types import ChatOptions
 
 __all__ = [
@@ -628,13 +628,14 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
 
 def _pydantic_problems(error: ValidationError) -> list[tuple[str, str]]:
     problems = []
-    for item in error.errors(include_url=False, include_input=False):
+    for item in error.errors(include_url=False):
         loc = tuple(p for p in item["loc"] if p != "[key]")
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            key = loc[-1] if loc else ""
-            known = known_keys(ChatrouteConfig, loc[:-1])
-            message = "unknown key" + (_closest(str(key), known) if known else "")
+            message = "unknown key" + key_hint(ChatrouteConfig, loc)
+        elif item["type"] == "literal_error" and isinstance(item.get("input"), str):
+            choices = re.findall(r"'([^']*)'", str(item.get("ctx", {}).get("expected", "")))
+            message += _closest(item["input"], dict.fromkeys(choices))
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
         problems.append((_format_loc(loc), message))

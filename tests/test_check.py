@@ -580,13 +580,26 @@ def test_a_misspelled_key_gets_the_nearest_known_one_at_every_level() -> None:
     data["providers"]["p"]["timeouts"] = {"first_tokens": 3, "reqest": 9}
     data["routes"]["code"]["options"] = {"max_token": 5}
     data["routes"]["math"]["zzz"] = 1
+    # A key that belongs one block further in: its place there is named.
+    data["providers"]["p"]["first_token_timeout"] = 30
+    data["routes"]["math"]["stal"] = 5
+    data["routing"]["scoring"] = "protoype"  # a misspelled value of a fixed set
     with pytest.raises(ConfigError) as caught:
         parse_config(data, environ={})
     assert sorted(caught.value.problems) == [
+        (
+            "providers.p.first_token_timeout",
+            "unknown key (did you mean 'timeouts.first_token'?)",
+        ),
         ("providers.p.timeouts.first_tokens", "unknown key (did you mean 'first_token'?)"),
         ("providers.p.timeouts.reqest", "unknown key (did you mean 'request'?)"),
         ("routes.code.options.max_token", "unknown key (did you mean 'max_tokens'?)"),
+        ("routes.math.stal", "unknown key (did you mean 'timeouts.stall'?)"),
         ("routes.math.zzz", "unknown key"),
+        (
+            "routing.scoring",
+            "Input should be 'prototype', 'knn', 'top_k' or 'adapter' (did you mean 'prototype'?)",
+        ),
         ("rsilience", "unknown key (did you mean 'resilience'?)"),
     ]
 
