@@ -145,6 +145,22 @@ def test_a_stream_finishes_on_the_old_config_while_new_requests_see_the_new(
     assert running.app.state.service.engine is not old_engine
 
 
+def test_metrics_name_the_scoring_mode_the_reloaded_config_runs(running: Running) -> None:
+    def scoring_lines() -> list[str]:
+        text = httpx.get(f"{running.url}/metrics", timeout=10).text
+        return [line for line in text.splitlines() if line.startswith("chatroute_scoring_")]
+
+    assert 'chatroute_scoring_info{mode="prototype"} 1.0' in scoring_lines()
+    running.write(OLD_ROUTES, routing={"default_route": "code", "scoring": "knn"})
+    answer = running.reload()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["scoring"] == "knn" and answer.json()["training_seconds"] == 0
+    lines = scoring_lines()
+    assert 'chatroute_scoring_info{mode="knn"} 1.0' in lines
+    assert not any('mode="prototype"' in line for line in lines)
+    assert "chatroute_scoring_training_seconds 0.0" in lines  # knn does not train
+
+
 def test_a_bad_config_is_refused_and_the_old_one_serves_on(
     running: Running, caplog: pytest.LogCaptureFixture
 ) -> None:

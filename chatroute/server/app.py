@@ -34,7 +34,7 @@ from chatroute.server.reload import (
 from chatroute.server.request_log import RequestLog
 from chatroute.server.routes import hot_paths_first, install_routes
 from chatroute.server.service import Service
-from chatroute.server.startup import log_startup, startup_summary
+from chatroute.server.startup import log_startup, scoring_of, startup_summary
 from chatroute.server.wire import ChatCompletionRequest
 from chatroute.tracing import TraceSink
 
@@ -261,6 +261,8 @@ class _Wiring:
     def swap(self, old: Service, new: Service) -> None:
         self._undo()
         self._undo = self._wire(new.engine)
+        mode, seconds = scoring_of(new.engine)  # the new engine is warm: trained already
+        self.metrics.set_scoring(mode or "", seconds)
 
     def undo(self) -> None:
         self._undo()

@@ -22,6 +22,7 @@ from chatroute.config import ChatrouteConfig, ConfigError, load_config
 from chatroute.engine import Engine, build_engine
 from chatroute.server.errors import APIError
 from chatroute.server.service import Service
+from chatroute.server.startup import scoring_of
 
 __all__ = [
     "ADMIN_RELOAD_PATH",
@@ -65,6 +66,8 @@ class ReloadResult:
     seconds: float
     draining: int  # requests still running on the old config when it was swapped out
     notes: list[str] = field(default_factory=list)
+    scoring: str | None = None  # the scoring mode the new config decides with
+    training_seconds: float | None = None  # its training (None: a mode that does not train)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,10 @@ class ReloadResult:
             "seconds": round(self.seconds, 3),
             "draining": self.draining,
             "notes": self.notes,
+            "scoring": self.scoring,
+            "training_seconds": (
+                None if self.training_seconds is None else round(self.training_seconds, 3)
+            ),
         }
 
 
@@ -178,16 +185,25 @@ class Reloader:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         seconds = time.perf_counter() - began
+        scoring, training = scoring_of(engine)
         result = ReloadResult(
-            list(engine.routes), "reused" if same_embedder else "rebuilt", seconds, draining, notes
+            list(engine.routes),
+            "reused" if same_embedder else "rebuilt",
+            seconds,
+            draining,
+            notes,
+            scoring,
+            training,
         )
         logger.info(
-            "config reloaded from %s in %.2f s: %d routes, embedder %s, %d request(s) finish "
-            "on the old config%s",
+            "config reloaded from %s in %.2f s: %d routes, embedder %s, scoring %s (trained in "
+            "%s), %d request(s) finish on the old config%s",
             self.path,
             seconds,
             len(result.routes),
             result.embedder,
+            scoring,
+            "-" if training is None else f"{training:.2f} s",
             draining,
             "".join(f"; {note}" for note in notes),
         )

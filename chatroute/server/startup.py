@@ -44,8 +44,7 @@ def startup_summary(
 
     config = engine.config
     embedder: Any = engine.embedder
-    router: Any = engine.router
-    scoring = getattr(router, "scoring", None)
+    scoring, training_seconds = scoring_of(engine)
     providers: dict[str, Any] = {}
     for name, settings in config.providers.items():
         base_url = settings.resolved_base_url(environ)
@@ -70,8 +69,8 @@ def startup_summary(
             "dtype": getattr(embedder, "dtype", None) or config.embedder.dtype,
         },
         "policy": config.routing.policy,
-        "scoring": getattr(scoring, "name", None),
-        "training_seconds": getattr(router, "training_seconds", None),
+        "scoring": scoring,
+        "training_seconds": training_seconds,
         "default_route": config.routing.default_route,
         "routes": {
             name: {"utterances": len(route.utterances), "failover": list(route.targets)}
@@ -81,6 +80,15 @@ def startup_summary(
         "auth": auth,
         "shared_state": shared_state,
     }
+
+
+def scoring_of(engine: Engine) -> tuple[str | None, float | None]:
+    """The scoring mode the engine's router decides with, and how long its training took
+    (None for a mode that does not train, or a router without modes)."""
+    router: Any = engine.router
+    return getattr(getattr(router, "scoring", None), "name", None), getattr(
+        router, "training_seconds", None
+    )
 
 
 def log_startup(summary: Mapping[str, Any]) -> None:
