@@ -137,6 +137,20 @@ def _chat(stack: ServiceStack, request_id: str | None, **kwargs: Any) -> Any:
     )
 
 
+def _stream(stack: ServiceStack, request_id: str) -> tuple[str, str]:
+    """A streamed chat request with `request_id`: the id the answer carries, and its text."""
+    with stack.client.chat.completions.with_streaming_response.create(
+        model="auto",
+        messages=[{"role": "user", "content": "hello there"}],
+        stream=True,
+        extra_headers={"x-request-id": request_id},
+    ) as response:
+        text = "".join(
+            chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices
+        )
+        return response.headers["x-request-id"], text
+
+
 def test_a_chat_request_logs_one_line_with_route_attempts_tokens_and_key_hash(
     stack: ServiceStack, logs: Capture
 ) -> None:
@@ -173,16 +187,8 @@ def test_every_attempt_sends_the_request_id_upstream(stack: ServiceStack) -> Non
     # The caller's id, on both attempts of a failed-over stream.
     stack.upstreams["primary"].script(ServerError())
     stack.upstreams["fallback"].script(Ok("from the fallback"))
-    with stack.client.chat.completions.with_streaming_response.create(
-        model="auto",
-        messages=[{"role": "user", "content": "hello there"}],
-        stream=True,
-        extra_headers={"x-request-id": "fwd-1"},
-    ) as response:
-        text = "".join(
-            chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices
-        )
-    assert text == "from the fallback"
+    answered_id, text = _stream(stack, "fwd-1")
+    assert answered_id == "fwd-1" and text == "from the fallback"
     seen = [up.requests[0].headers.get("x-request-id") for up in stack.upstreams.values()]
     assert seen == ["fwd-1", "fwd-1"]
     # A generated id reaches the upstream as the caller gets it back.
@@ -242,17 +248,8 @@ def test_a_stream_logs_its_time_to_first_token_and_counts_tokens_in_metrics(
         )
     )
     before = stack.metrics()
-    with stack.client.chat.completions.with_streaming_response.create(
-        model="auto",
-        messages=[{"role": "user", "content": "hello there"}],
-        stream=True,
-        extra_headers={"x-request-id": "stream-1"},
-    ) as response:
-        assert response.headers["x-request-id"] == "stream-1"
-        text = "".join(
-            chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices
-        )
-    assert text == "one two three"
+    answered_id, text = _stream(stack, "stream-1")
+    assert answered_id == "stream-1" and text == "one two three"
     fields = logs.request_line("stream-1").request
     assert fields["stream"] is True and fields["status"] == 200
     assert 0 <= fields["ttft_ms"] <= fields["latency_ms"]
