@@ -397,7 +397,10 @@ class ProviderConfig(_Strict):
 
         known = provider_types()
         if value not in known:
-            raise ValueError(f"unknown provider type {value!r}; known: {', '.join(known)}")
+            raise ValueError(
+                f"unknown provider type {value!r}{_closest(value, dict.fromkeys(known))}; "
+                f"known: {', '.join(known)}"
+            )
         return value
 
     @field_validator("headers")

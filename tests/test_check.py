@@ -584,6 +584,7 @@ def test_a_misspelled_key_gets_the_nearest_known_one_at_every_level() -> None:
     data["providers"]["p"]["first_token_timeout"] = 30
     data["routes"]["math"]["stal"] = 5
     data["routing"]["scoring"] = "protoype"  # a misspelled value of a fixed set
+    data["providers"]["p"]["type"] = "opneai"  # a misspelled provider type
     with pytest.raises(ConfigError) as caught:
         parse_config(data, environ={})
     assert sorted(caught.value.problems) == [
@@ -593,6 +594,10 @@ def test_a_misspelled_key_gets_the_nearest_known_one_at_every_level() -> None:
         ),
         ("providers.p.timeouts.first_tokens", "unknown key (did you mean 'first_token'?)"),
         ("providers.p.timeouts.reqest", "unknown key (did you mean 'request'?)"),
+        (
+            "providers.p.type",
+            "unknown provider type 'opneai' (did you mean 'openai'?); known: openai, anthropic",
+        ),
         ("routes.code.options.max_token", "unknown key (did you mean 'max_tokens'?)"),
         ("routes.math.stal", "unknown key (did you mean 'timeouts.stall'?)"),
         ("routes.math.zzz", "unknown key"),
