@@ -101,6 +101,7 @@ class CorsConfig(_Strict):
         "x-chatroute-route",
         "x-chatroute-provider",
         "x-chatroute-attempts",
+        "x-chatroute-upstream-request-id",
         "x-chatroute-ignored-params",
         "x-chatroute-overridden",
         "retry-after",

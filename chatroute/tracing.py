@@ -22,6 +22,7 @@ __all__ = [
     "TraceRecorder",
     "current_trace",
     "end_trace",
+    "note_upstream_request_id",
     "start_trace",
 ]
 
@@ -78,6 +79,7 @@ class RequestTrace:
     caller's side), `committed` (whether output reached the caller), the answer's `usage`
     and `response_model` when the provider reported them and, for a stream,
     `first_output_at` (the `time.perf_counter()` reading when its first output arrived).
+    A provider notes `upstream_request_id`, the id the upstream gave the call that answers.
     """
 
     route: str | None = None
@@ -90,6 +92,7 @@ class RequestTrace:
     usage: UsageDetails | None = None
     first_output_at: float | None = None
     response_model: str | None = None
+    upstream_request_id: str | None = None  # the answering upstream's own id for the call
 
     @property
     def attempt_count(self) -> int:
@@ -135,6 +138,15 @@ def current_trace() -> RequestTrace | None:
     """The trace of the request running in the current context, if one was started."""
     ref = _current.get()
     return ref() if ref is not None else None
+
+
+def note_upstream_request_id(value: str | None) -> None:
+    """Record the id an upstream gave the call that answers, on the current request's trace
+    if one was started: each attempt clears it as it starts (None) and sets it when the
+    upstream accepts the call."""
+    trace = current_trace()
+    if trace is not None:
+        trace.upstream_request_id = value
 
 
 class TraceRecorder(FailoverChatClient):

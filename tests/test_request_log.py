@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import openai
 import pytest
 
 from chatroute.failover.breaker import BreakerSettings, CircuitBreaker
@@ -26,7 +27,7 @@ from chatroute.server.request_log import (
 )
 from chatroute.server.startup import ReadyServer, log_startup, startup_summary
 from tests.conftest import ServiceStack
-from tests.fakes import Ok, ServerError
+from tests.fakes import Malformed, Ok, ServerError, Status
 
 
 def build(urls: dict[str, str]) -> dict[str, Any]:
@@ -199,6 +200,40 @@ def test_every_attempt_sends_the_request_id_upstream(stack: ServiceStack) -> Non
     generated = raw.headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
     assert stack.upstreams["primary"].requests[0].headers["x-request-id"] == generated
+
+
+def test_the_answering_upstreams_own_request_id_is_returned_and_logged(
+    stack: ServiceStack, logs: Capture
+) -> None:
+    # The primary accepts the call (its id: up-A) and then answers garbage; the fallback
+    # answers (up-B): the caller and the log line get the fallback's id.
+    stack.upstreams["primary"].script(Malformed(at=0, headers={"x-request-id": "up-A"}))
+    stack.upstreams["fallback"].script(Ok("served", headers={"x-request-id": "up-B"}))
+    raw = _chat(stack, "own-1")
+    assert raw.parse().choices[0].message.content == "served"
+    assert raw.headers["x-chatroute-provider"] == "fallback"
+    assert raw.headers["x-chatroute-upstream-request-id"] == "up-B"
+    assert logs.request_line("own-1").request["upstream_request_id"] == "up-B"
+    # No attempt answered: the id of the one that was accepted and then failed is not
+    # passed off as the answer's.
+    stack.upstreams["primary"].script(Malformed(at=0, headers={"x-request-id": "up-A"}))
+    stack.upstreams["fallback"].script(Status(500, headers={"x-request-id": "up-E"}))
+    with pytest.raises(openai.APIStatusError) as failed:
+        _chat(stack, "own-2")
+    assert failed.value.response.headers["x-chatroute-provider"] == "fallback"
+    assert "x-chatroute-upstream-request-id" not in failed.value.response.headers
+    assert "upstream_request_id" not in logs.request_line("own-2").request
+    # Streamed: the header goes out with the answer's head.
+    stack.upstreams["primary"].script(Ok("streamed", headers={"x-request-id": "up-C"}))
+    with stack.client.chat.completions.with_streaming_response.create(
+        model="auto",
+        messages=[{"role": "user", "content": "hello there"}],
+        stream=True,
+    ) as response:
+        assert response.headers["x-chatroute-upstream-request-id"] == "up-C"
+    # The fake's own default id, when nothing else is scripted.
+    stack.upstreams["primary"].script(Ok("plain"))
+    assert _chat(stack, "own-3").headers["x-chatroute-upstream-request-id"] == "req-fake"
 
 
 async def test_a_configured_request_id_header_wins_and_none_is_sent_outside_a_request() -> None:

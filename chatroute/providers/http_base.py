@@ -43,6 +43,7 @@ from chatroute.providers import request_hooks
 from chatroute.providers.pass_through import PassThrough, report_ignored
 from chatroute.providers.sse import SSEReader
 from chatroute.providers.transport import Transport, tls_setting
+from chatroute.tracing import note_upstream_request_id
 
 if TYPE_CHECKING:
     from chatroute.config import ProviderConfig
@@ -412,6 +413,7 @@ class HTTPChatClient(ChatClient):
         forwarded = request_hooks.request_id.get()
         if forwarded is not None and self._forward_request_id:
             headers = {**headers, "x-request-id": forwarded}
+        note_upstream_request_id(None)  # this attempt's upstream has not answered yet
         try:
             response = await session.post(
                 self._url + self.path,
@@ -424,6 +426,12 @@ class HTTPChatClient(ChatClient):
             raise self._transport_error(exc, in_stream=False) from exc
         if not 200 <= response.status < 300:
             raise await self._status_error(response)
+        for name in self.request_id_headers:  # the upstream's own id for this call
+            value = response.headers.get(name)
+            if value is not None:
+                if len(value) <= 200 and value.isascii() and value.isprintable():
+                    note_upstream_request_id(value)
+                break
         encoding = response.headers.get("Content-Encoding", "")
         if "," in encoding:  # aiohttp decodes one coding; a stack would come back encoded
             response.release()

@@ -164,6 +164,8 @@ def request_fields(record: RequestRecord, latency: float) -> dict[str, Any]:
             entry["duration_ms"] = _ms(attempt.attempt.duration)
             attempts.append(entry)
         fields["attempts"] = attempts
+        if trace.upstream_request_id is not None:
+            fields["upstream_request_id"] = trace.upstream_request_id
         if trace.cancelled is not None:
             fields["cancelled"] = trace.cancelled
         usage = trace.usage

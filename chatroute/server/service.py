@@ -41,6 +41,7 @@ CHAT_PATH = "/v1/chat/completions"
 ROUTE_HEADER = "x-chatroute-route"
 PROVIDER_HEADER = "x-chatroute-provider"
 ATTEMPTS_HEADER = "x-chatroute-attempts"
+UPSTREAM_ID_HEADER = "x-chatroute-upstream-request-id"
 TIMEOUT_HEADER = "x-chatroute-timeout"
 IGNORED_HEADER = "x-chatroute-ignored-params"
 CLIENT_CLOSED = 499  # the status logged for a request whose caller left (nginx's convention)
@@ -104,6 +105,8 @@ class Service:
             if provider is not None:
                 headers[PROVIDER_HEADER] = provider
                 headers[ATTEMPTS_HEADER] = str(trace.attempt_count)
+            if trace.upstream_request_id is not None:
+                headers[UPSTREAM_ID_HEADER] = trace.upstream_request_id
         return headers
 
 

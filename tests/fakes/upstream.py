@@ -964,7 +964,8 @@ class FakeUpstream:
         else:
             lines.append(f"Content-Length: {length}")
         lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
-        lines.append("x-request-id: req-fake")
+        if not any(k.lower() == "x-request-id" for k in headers):  # a scripted one wins
+            lines.append("x-request-id: req-fake")
         for k, v in headers.items():
             lines.append(f"{k}: {v}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
