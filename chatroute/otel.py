@@ -190,6 +190,8 @@ class OTelLayer:
                 response_model = trace.response_model or self.provider_models.get(provider)
                 if response_model:
                     span.set_attribute("gen_ai.response.model", response_model)
+            if trace.upstream_request_id is not None:
+                span.set_attribute("chatroute.upstream.request_id", trace.upstream_request_id)
             _usage(span, trace)
         for open_attempt in spans.attempts:  # attempts no record matched (cut short)
             open_attempt.span.end()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,8 +55,16 @@ class Stack:
             base_url=f"{self.url}/v1", api_key="k", max_retries=0, default_headers=headers
         )
 
-    def spans(self) -> list[ReadableSpan]:
-        return list(self.exporter.get_finished_spans())
+    def spans(self, timeout: float = 5.0) -> list[ReadableSpan]:
+        """The finished spans once the request's server span has ended: it ends on the
+        server's thread after the answer's last byte went out, which the client may have
+        read first (a span ending late would also leak into the next test's spans)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            spans = list(self.exporter.get_finished_spans())
+            if any(s.kind is SpanKind.SERVER for s in spans) or time.monotonic() > deadline:
+                return spans
+            time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +106,9 @@ def _traceparent(request: Any) -> str | None:
 
 def test_a_failover_is_one_trace_continued_from_the_caller(fresh: Stack) -> None:
     fresh.upstreams["primary"].script(ServerError(503))
-    fresh.upstreams["fallback"].script(Ok("done", prompt_tokens=12, completion_tokens=3))
+    fresh.upstreams["fallback"].script(
+        Ok("done", prompt_tokens=12, completion_tokens=3, headers={"x-request-id": "fb-7"})
+    )
     answer = fresh.client(traceparent=TRACEPARENT).chat.completions.create(
         model="auto", messages=[{"role": "user", "content": "write a python function"}]
     )
@@ -112,6 +123,7 @@ def test_a_failover_is_one_trace_continued_from_the_caller(fresh: Stack) -> None
     assert attrs["gen_ai.operation.name"] == "chat"
     assert attrs["gen_ai.request.model"] == "auto"
     assert attrs["gen_ai.response.model"] == "fallback-model"
+    assert attrs["chatroute.upstream.request_id"] == "fb-7"  # the answering upstream's id
     assert attrs["chatroute.route"] == "chain"
     assert attrs["chatroute.failovers"] == 1
     assert attrs["gen_ai.usage.input_tokens"] == 12
