@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
+from collections.abc import Iterable
 from typing import Annotated, Any, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, BaseModel
 
-__all__ = ["header_problem", "key_hint", "known_keys", "url_problem"]
+__all__ = ["did_you_mean", "header_problem", "key_hint", "url_problem"]
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]*$")
@@ -45,37 +47,37 @@ def header_problem(name: str, value: str) -> str | None:
     return None
 
 
-def known_keys(root: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, None]:
-    """The keys `root` accepts at `loc` (aliases included); empty when unknown.
-
-    `loc` is a pydantic error location: field names, and the keys of dict fields.
-    """
-    kind = _model_at(root, loc)
-    return _keys_of(kind) if kind is not None else {}
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """A hint naming the known name closest to `name`, as " (did you mean 'X'?)"; "" when
+    none is close."""
+    match = _closest(name, known)
+    return f" (did you mean {match!r}?)" if match is not None else ""
 
 
 def key_hint(root: type[BaseModel], loc: tuple[int | str, ...]) -> str:
     """For the unknown key at `loc`: " (did you mean 'X'?)" naming the closest key `root`
-    accepts in its place, or one a block inside it accepts ('timeouts.first_token_timeout'
-    for a provider's 'first_token_timeout'); "" when none is close."""
-    if not loc:
-        return ""
-    import difflib
-
-    key, kind = str(loc[-1]), _model_at(root, loc[:-1])
+    accepts in its place, or one a block inside it accepts ('timeouts.first_token' for a
+    provider's 'first_token_timeout'); "" when none is close."""
+    kind = _model_at(root, loc[:-1]) if loc else None
     if kind is None:
         return ""
-    match = difflib.get_close_matches(key, list(_keys_of(kind)), n=1)
-    if not match:
+    key = str(loc[-1])
+    match = _closest(key, _keys_of(kind))
+    if match is None:
         nested: dict[str, str] = {}  # a key of an inner block -> its path from here
         for name, field in kind.model_fields.items():
             inner = _unwrap(field.annotation)
             if isinstance(inner, type) and issubclass(inner, BaseModel):
                 for sub in _keys_of(inner):
                     nested.setdefault(sub, f"{field.alias or name}.{sub}")
-        found = difflib.get_close_matches(key, list(nested), n=1)
-        match = [nested[found[0]]] if found else []
-    return f" (did you mean {match[0]!r}?)" if match else ""
+        found = _closest(key, nested)
+        match = nested[found] if found is not None else None
+    return f" (did you mean {match!r}?)" if match is not None else ""
+
+
+def _closest(name: str, known: Iterable[str]) -> str | None:
+    found = difflib.get_close_matches(name, list(known), n=1)
+    return found[0] if found else None
 
 
 def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:

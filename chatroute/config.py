@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from chatroute._config_conversation import ConversationConfig, SessionsConfig
-from chatroute._config_values import header_problem, key_hint, url_problem
+from chatroute._config_values import did_you_mean, header_problem, key_hint, url_problem
 from chatroute.chat.types import ChatOptions
 
 __all__ = [
@@ -399,7 +399,7 @@ class ProviderConfig(_Strict):
         known = provider_types()
         if value not in known:
             raise ValueError(
-                f"unknown provider type {value!r}{_closest(value, dict.fromkeys(known))}; "
+                f"unknown provider type {value!r}{did_you_mean(value, known)}; "
                 f"known: {', '.join(known)}"
             )
         return value
@@ -510,7 +510,7 @@ class ChatrouteConfig(_Strict):
                 problems.append((f"routes.{name}", f"{name!r} is reserved for semantic routing"))
             for position, target in enumerate(route.targets):
                 if target not in self.providers:
-                    hint = _closest(target, self.providers)
+                    hint = did_you_mean(target, self.providers)
                     problems.append(
                         (
                             f"routes.{name}.targets[{position}]",
@@ -522,7 +522,7 @@ class ChatrouteConfig(_Strict):
             problems.append(
                 (
                     "routing.default_route",
-                    f"unknown route {default!r}{_closest(default, self.routes)}",
+                    f"unknown route {default!r}{did_you_mean(default, self.routes)}",
                 )
             )
         if not any(route.utterances for route in self.routes.values()):
@@ -611,13 +611,6 @@ def _needs_base_url(provider_type: str) -> bool:
     return provider_class(provider_type).default_base_url is None
 
 
-def _closest(name: str, known: Mapping[str, Any]) -> str:
-    import difflib
-
-    match = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def _format_loc(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
@@ -639,7 +632,7 @@ def _pydantic_problems(error: ValidationError) -> list[tuple[str, str]]:
             message = "unknown key" + key_hint(ChatrouteConfig, loc)
         elif item["type"] == "literal_error" and isinstance(item.get("input"), str):
             choices = re.findall(r"'([^']*)'", str(item.get("ctx", {}).get("expected", "")))
-            message += _closest(item["input"], dict.fromkeys(choices))
+            message += did_you_mean(item["input"], choices)
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
         problems.append((_format_loc(loc), message))

@@ -57,6 +57,11 @@ _log = logging.getLogger(__name__)
 MAX_ERROR_BODY = 64 * 1024
 
 
+def _fits_a_header(value: str) -> bool:
+    """Whether an upstream's id can be passed back in an answer header as it is."""
+    return len(value) <= 200 and value.isascii() and value.isprintable()
+
+
 class HTTPSettings(TypedDict, total=False):
     """The keyword arguments every HTTP provider takes (see `HTTPChatClient`), for a vendor
     class's `**settings`."""
@@ -426,12 +431,9 @@ class HTTPChatClient(ChatClient):
             raise self._transport_error(exc, in_stream=False) from exc
         if not 200 <= response.status < 300:
             raise await self._status_error(response)
-        for name in self.request_id_headers:  # the upstream's own id for this call
-            value = response.headers.get(name)
-            if value is not None:
-                if len(value) <= 200 and value.isascii() and value.isprintable():
-                    note_upstream_request_id(value)
-                break
+        upstream_id = self._upstream_request_id(response.headers)
+        if upstream_id is not None and _fits_a_header(upstream_id):
+            note_upstream_request_id(upstream_id)
         encoding = response.headers.get("Content-Encoding", "")
         if "," in encoding:  # aiohttp decodes one coding; a stack would come back encoded
             response.release()
@@ -440,6 +442,10 @@ class HTTPChatClient(ChatClient):
                 provider=self.name,
             )
         return response
+
+    def _upstream_request_id(self, headers: Mapping[str, str]) -> str | None:
+        """The id the upstream gave the call, from the first of `request_id_headers` it sent."""
+        return next((headers[h] for h in self.request_id_headers if h in headers), None)
 
     async def _status_error(self, response: aiohttp.ClientResponse) -> ProviderStatusError:
         """The typed error for a non-2xx answer, read (the first `MAX_ERROR_BODY` bytes of
@@ -464,14 +470,13 @@ class HTTPChatClient(ChatClient):
         if message is None and raw and data is None:
             message = raw[:500].decode("utf-8", "replace")
         headers = response.headers
-        request_id = next((headers[h] for h in self.request_id_headers if h in headers), None)
         return status_error(
             response.status,
             (etype, code, message),
             response.reason or None,
             headers,
             label=self._status_label(etype, code),
-            request_id=request_id,
+            request_id=self._upstream_request_id(headers),
             secrets=self._secrets,
             provider=self.name,
         )
