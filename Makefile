@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-compare bench-soak bench-shared bench-peers peers clean
+.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-solo bench-compare bench-soak bench-shared bench-peers peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -80,6 +80,11 @@ bench-service: $(STAMP)
 bench-compare: $(STAMP)
 	$(BIN)/python bench/proxy_compare.py --against $(AGAINST)
 
+# A lone decision with the embedder's solo passes off and on, each arm in its own process,
+# and /v1/route one request at a time against a service with each setting.
+bench-solo: $(STAMP)
+	$(BIN)/python bench/solo_passes.py
+
 # 200 streaming clients for 5 minutes through the real service, 2% injected faults.
 bench-soak: $(STAMP)
 	$(BIN)/python bench/load_soak.py
@@ -110,7 +115,7 @@ peers: $(PEERS_VENV)/.installed .peers/.installed
 bench-peers: $(STAMP) peers
 	$(BIN)/python bench/peer_overhead.py
 
-bench: bench-core bench-routing bench-service bench-soak bench-shared
+bench: bench-core bench-routing bench-service bench-solo bench-soak bench-shared
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(PEERS_VENV) .peers .mypy_cache .ruff_cache .pytest_cache

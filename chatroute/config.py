@@ -163,6 +163,7 @@ class EmbedderConfig(_Strict):
     workers: int | None = Field(default=None, ge=1)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=1000)
     pack_width: int | None = Field(default=None, ge=0, le=1024)
+    solo_threads: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
 
 
 class RoutingConfig(_Strict):

@@ -291,6 +291,7 @@ def build_embedder(config: ChatrouteConfig) -> EmbeddingGenerator:
         workers=settings.workers,
         batch_wait_ms=settings.batch_wait_ms,
         pack_width=settings.pack_width,
+        solo_threads=settings.solo_threads,
     )
 
 

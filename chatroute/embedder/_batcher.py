@@ -27,6 +27,14 @@ __all__ = ["Batch", "MicroBatcher", "Request", "Segment"]
 IntArray = npt.NDArray[np.int64]
 
 
+# A solo pass of this many texts or fewer is short (about one text's time on a CPU), so
+# callers that come back meanwhile wait little for it: it may run solo under load too.
+SOLO_ALWAYS = 4
+# Once this many texts wait during a solo pass, another worker starts one beside it anyway
+# (the cores are shared for the rest of the solo pass): a burst is not held back.
+SOLO_JOIN = 8
+
+
 class Request:
     """One caller's texts as the batcher sees them; subclassed by the embedder."""
 
@@ -35,6 +43,7 @@ class Request:
         self.queued = 0  # admitted texts not yet taken into a batch
         self.dead = False  # cancelled, failed or closed: no more work is done for it
         self.segments: list[Segment] = []  # its segments still in the pool
+        self.came_idle = False  # admitted while no forward pass was computing
 
 
 @dataclass(eq=False)
@@ -78,6 +87,8 @@ class Batch:
     width: int = 0
     starts: IntArray | None = None
     rows: int = 0
+    solo: bool = False  # taken by the lead worker with nothing else running or queued
+    computed: bool = False  # its forward pass is over (`MicroBatcher.computed`)
 
     @property
     def padded_tokens(self) -> int:
@@ -105,6 +116,16 @@ class MicroBatcher:
 
     Holding back: see `take`; `max_wait` (seconds) bounds it, `workers` (the model
     threads that take batches) sets a worker's share of the texts in flight.
+
+    Solo passes (`solo`): worker 0, the lead, takes every batch formed while no pass runs,
+    and such a batch is marked `solo` when it holds every text admitted and either its
+    requests all arrived while no pass was computing (low traffic) or it holds at most
+    `SOLO_ALWAYS` texts. Under steady load callers come back while another pass runs, and
+    a large solo pass there would hold them all back: passes then stay side by side. The
+    other workers take batches only while a pass that is not solo runs, or once
+    `SOLO_JOIN` texts wait beside a solo one. So an idle embedder's next pass always goes
+    to the same thread, which may run it on all the cores (one OpenMP team in the
+    process, not one per worker), and little shares the cores with a solo pass.
     """
 
     def __init__(
@@ -118,6 +139,7 @@ class MicroBatcher:
         pack_width: int = 0,
         max_wait: float = 0.0,
         workers: int = 1,
+        solo: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -154,8 +176,13 @@ class MicroBatcher:
         self.max_wait = float(max_wait)
         self.workers = workers
         self._clock = clock
+        self.solo = bool(solo)
         self._running = 0  # texts in forward passes not yet reported `finished`
-        self._cond = threading.Condition()
+        self._solo_running = False
+        self._computing = 0  # passes taken whose forward pass is not over
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the workers (all of them without `solo`)
+        self._lead_cond = threading.Condition(lock) if self.solo else self._cond
         self._pool: deque[Segment] = deque()
         self._ready = 0  # alive texts in the pool
         self._queued = 0  # admitted texts not yet taken (pool + still being tokenised)
@@ -191,6 +218,7 @@ class MicroBatcher:
                     "retry later"
                 )
             request.queued = request.size
+            request.came_idle = self._computing == 0
             self._queued += request.size
 
     def add(self, segment: Segment) -> bool:
@@ -202,7 +230,7 @@ class MicroBatcher:
             self._pool.append(segment)
             request.segments.append(segment)
             self._ready += segment.n_alive
-            self._cond.notify()
+            self._wake()
             return True
 
     def drop(self, request: Request) -> int:
@@ -231,6 +259,7 @@ class MicroBatcher:
             self._ready = 0
             self._queued = 0
             self._cond.notify_all()
+            self._lead_cond.notify_all()
 
     @property
     def running(self) -> int:
@@ -241,7 +270,38 @@ class MicroBatcher:
         """Report that `batch`'s forward pass is over (a worker waiting for company rechecks)."""
         with self._cond:
             self._running -= batch.size
+            if not batch.computed:
+                batch.computed = True
+                self._computing -= 1
+            if batch.solo:
+                self._solo_running = False
             self._cond.notify_all()
+            self._lead_cond.notify_all()
+
+    def computed(self, batch: Batch) -> None:
+        """Report that `batch`'s forward pass is over, before its answers go out: callers
+        that come back from then on arrived at an idle embedder (`finished` implies it)."""
+        with self._cond:
+            if not batch.computed:
+                batch.computed = True
+                self._computing -= 1
+
+    def _defers(self, worker: int) -> bool:
+        """With `solo`, a worker other than the lead waits while no pass runs (the lead
+        takes the next one) and while a solo pass runs (it has the cores), unless
+        `SOLO_JOIN` texts are ready."""
+        return (
+            self.solo
+            and worker != 0
+            and (self._running == 0 or (self._solo_running and self._ready < SOLO_JOIN))
+        )
+
+    def _wake(self) -> None:
+        """Texts became ready: wake the worker that may take them."""
+        if self._lead_cond is not self._cond:
+            self._lead_cond.notify()
+        if not self._defers(1):
+            self._cond.notify()
 
     def _should_wait(self) -> bool:
         """A free worker holds back while fewer texts are ready than its share of the texts
@@ -251,9 +311,10 @@ class MicroBatcher:
         share = (self._running + self._queued) // self.workers
         return self._ready < min(share, self.max_batch_size)
 
-    def take(self, *, wait: bool) -> Batch | None:
-        """The next batch. With `wait`, block until one is ready (None once closed);
-        without, return None at once when nothing is ready.
+    def take(self, *, wait: bool, worker: int = 0) -> Batch | None:
+        """The next batch for model thread `worker`. With `wait`, block until one is ready
+        (None once closed); without, return None at once when nothing is ready (or, with
+        `solo`, when this worker defers to the lead).
 
         With `wait` and `max_wait` > 0, a free worker holds the batch back while fewer
         texts are ready than its share of those in flight (`_should_wait`): until enough
@@ -261,13 +322,14 @@ class MicroBatcher:
         texts ready. A lone request is never held; the oldest ready text is in every
         batch, so it is held at most `max_wait` for each batch.
         """
-        with self._cond:
+        cond = self._lead_cond if worker == 0 else self._cond
+        with cond:
             deadline: float | None = None
             while True:
-                while not self._ready:
+                while not self._ready or self._defers(worker):
                     if self._closed or not wait:
                         return None
-                    self._cond.wait()
+                    cond.wait()
                 if self._closed:
                     return None
                 if not wait or self.max_wait <= 0 or not self._should_wait():
@@ -277,11 +339,28 @@ class MicroBatcher:
                     deadline = now + self.max_wait
                 if now >= deadline:
                     break
-                self._cond.wait(deadline - now)
+                cond.wait(deadline - now)
+                if self._defers(worker):  # a solo pass began meanwhile
+                    deadline = None
+            idle = self._running == 0
             batch = self._form_batch()
+            if (
+                self.solo
+                and worker == 0
+                and idle
+                and not self._queued
+                and (
+                    batch.size <= SOLO_ALWAYS
+                    or all(seg.request.came_idle for seg, _ in batch.parts)
+                )
+            ):
+                batch.solo = self._solo_running = True
             self._running += batch.size
+            self._computing += 1
             if self._ready:  # more than one batch was ready: wake another worker for it
                 self._cond.notify()
+                if worker != 0 and self._lead_cond is not self._cond:
+                    self._lead_cond.notify()
             return batch
 
     def _form_batch(self) -> Batch:

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from chatroute.chat.embedding import EmbeddingFingerprint, EmbeddingGenerator
 from chatroute.embedder._batcher import Batch, MicroBatcher, Request
 from chatroute.embedder._model import FloatArray, ModelRunner, PendingResult
+from chatroute.embedder._threads import one_thread, team_size_setter, use_threads
 from chatroute.embedder.errors import EmbedderClosedError
 
 __all__ = ["BatchListener", "SentenceTransformerEmbedder"]
@@ -53,25 +54,6 @@ _DEFAULTS = {
     "cuda": (1024, 65536, 4096, 0, 0.0),
 }
 _MAX_WAIT_MS = 1000.0
-_THREADS_LOCK = threading.Lock()
-
-
-def _use_threads(count: int) -> None:
-    """Run the calling thread's torch operators on `count` intra-op threads.
-
-    `torch.set_num_threads` sets the calling thread's OpenMP team size, and also the size
-    that threads starting later take on their first operator; the second is put back
-    (from a short-lived thread, whose own setting dies with it), so the process default
-    the caller chose stays as it was.
-    """
-    with _THREADS_LOCK:
-        before = torch.get_num_threads()
-        if before == count:
-            return
-        torch.set_num_threads(count)
-        restore = threading.Thread(target=torch.set_num_threads, args=(before,))
-        restore.start()
-        restore.join()
 
 
 class _Job(Request):
@@ -190,10 +172,23 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
     forward passes, which run in `workers` model threads.
 
     `workers`: forward passes run at once. On CUDA 1 (passes are pipelined instead). On a
-    CPU 2 when torch has two or more intra-op threads, each pass then on half of them: two
-    passes side by side keep the cores busy where one pass split across all of them waits
-    at every operator for the slowest core (a core another thread, such as a server's
-    event loop, has taken), and small batches split poorly.
+    CPU 2 when torch has two or more intra-op threads, each pass then on half of them: under
+    load, two passes side by side keep the cores busy where one pass split across all of
+    them waits at every operator for the slowest core (a core another thread, such as a
+    server's event loop, has taken).
+
+    `solo_threads` (CPU, two or more workers): the intra-op threads of a solo pass, one
+    that starts while no other pass runs and holds every text waiting (a lone request at
+    low traffic; see `MicroBatcher` for the rule), or "all" for all of torch's intra-op
+    threads; None (the default) keeps every pass on its worker's share. Solo passes all
+    run on the first model thread. One text on both of two cores takes about 0.65x the
+    time it takes on one (all-MiniLM-L6-v2, a CLINC150 query: 5.6 against 8.7 ms), so a
+    lone request is answered sooner. Leave it off where the process runs torch operators
+    on several threads of its own beside the embedder (your own model, say): two OpenMP
+    thread teams in one process slow each other down, since the runtime stops spinning
+    for work once its threads outnumber the cores (both passes then took ~14 ms).
+    `chatroute serve` turns it on: it owns its process. The model's own probe and
+    warm-up passes run on the calling thread alone, so that they leave no team there.
     """
 
     def __init__(
@@ -210,12 +205,17 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         workers: int | None = None,
         batch_wait_ms: float | None = None,
         pack_width: int | None = None,
+        solo_threads: int | Literal["all"] | None = None,
         warmup: bool = True,
         _runner: ModelRunner | None = None,
     ) -> None:
         self._closed = False
         # `_runner`: an already loaded model to serve (internal: tests and benches share one).
-        runner = _runner or ModelRunner(model, device=device, dtype=dtype, normalize=normalize)
+        # Loading runs probe passes: on this thread alone, so that it keeps no OpenMP team.
+        if _runner is None:
+            with one_thread():
+                _runner = ModelRunner(model, device=device, dtype=dtype, normalize=normalize)
+        runner = _runner
         self._runner = runner
         dev_size, dev_tokens, pass_cost, dev_pack, dev_wait = _DEFAULTS[runner.device.type]
         batch_size = _positive("max_batch_size", max_batch_size, dev_size)
@@ -252,6 +252,16 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         n_workers = _positive("workers", workers, 2 if on_cpu and intra_op >= 2 else 1)
         # Each CPU worker gets its share of the intra-op threads; CUDA workers keep theirs.
         self._worker_threads = max(1, intra_op // n_workers) if on_cpu else None
+        if solo_threads == "all":
+            solo: int | None = intra_op
+        else:
+            solo = None if solo_threads is None else _positive("solo_threads", solo_threads, 1)
+        self._set_team: Callable[[int], None] | None = None
+        if solo is not None and on_cpu and n_workers > 1 and solo > (self._worker_threads or 1):
+            self._set_team = team_size_setter()
+            if self._set_team is None:
+                logger.info("embedder: solo passes stay on one worker's threads (no OpenMP)")
+        self._solo_threads = solo if self._set_team is not None else None
 
         self._batcher = MicroBatcher(
             max_batch_size=batch_size,
@@ -260,6 +270,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             pass_cost=pass_cost,
             max_wait=wait_ms / 1000.0,
             workers=n_workers,
+            solo=self._solo_threads is not None,
             pack_width=pack if runner.fast and runner.packs else 0,
         )
         self._listeners: list[BatchListener] = []
@@ -269,12 +280,15 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         self._fingerprint: EmbeddingFingerprint | None = None
         self._batches = 0
         if warmup:
-            runner.warm_up()
+            with one_thread():
+                runner.warm_up()
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="chatroute-embed-tok"
         )
         self._workers = [
-            threading.Thread(target=self._work, name=f"chatroute-embed-model-{i}", daemon=True)
+            threading.Thread(
+                target=self._work, args=(i,), name=f"chatroute-embed-model-{i}", daemon=True
+            )
             for i in range(n_workers)
         ]
         for worker in self._workers:
@@ -447,13 +461,19 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
 
     # -- the model threads ----------------------------------------------------------------------
 
-    def _work(self) -> None:
-        if self._worker_threads is not None:
-            _use_threads(self._worker_threads)
+    def _work(self, index: int) -> None:
+        if self._set_team is not None:
+            # With solo passes, the team size changes pass by pass through the OpenMP
+            # runtime alone: after `torch.set_num_threads` in this thread, torch's matrix
+            # products would stay on its count whatever the runtime's says.
+            torch.get_num_threads()  # torch's own set-up of this thread comes first
+            self._set_team(self._worker_threads)  # type: ignore[arg-type]
+        elif self._worker_threads is not None:
+            use_threads(self._worker_threads)
         with self._runner.inference():
             pending: tuple[Batch, PendingResult | BaseException] | None = None
             while True:
-                batch = self._batcher.take(wait=pending is None)
+                batch = self._batcher.take(wait=pending is None, worker=index)
                 if batch is None:
                     if pending is None:
                         return  # closed
@@ -470,11 +490,18 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
                     self._finish(batch, launched)
 
     def _launch(self, batch: Batch) -> PendingResult | BaseException:
+        set_team = self._set_team if batch.solo else None
+        if set_team is not None:
+            assert self._solo_threads is not None and self._worker_threads is not None
+            set_team(self._solo_threads)
         try:
             return self._runner.launch(batch)
         except Exception as exc:
             logger.exception("embedder: forward pass failed")
             return exc
+        finally:
+            if set_team is not None:
+                set_team(self._worker_threads)  # type: ignore[arg-type]
 
     def _finish(self, batch: Batch, launched: PendingResult | BaseException) -> None:
         try:
@@ -493,6 +520,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             except Exception as exc:
                 logger.exception("embedder: forward pass failed")
                 error = exc
+        self._batcher.computed(batch)  # callers coming back now find the model idle
         with self._rows_lock:
             self._batches += 1
         for listener in self._listeners:
