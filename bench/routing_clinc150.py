@@ -399,7 +399,11 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
         "a pause before each block), in this process after the throughput runs; the ratio is "
         "the median over the rounds of the arm's p50 over the raw encode's p50 in the same "
         f"round (per round: top_k 5 {per_round}; prototype {proto_rounds}). The "
-        "semantic-router single call is timed on its own, after.",
+        "semantic-router single call is timed on its own, after. The routers here use the "
+        "library's default embedder, whose passes stay on one model worker's threads: this "
+        "process runs its own torch encode beside it. As `chatroute serve` runs it "
+        "(`embedder.solo_threads: all`, a lone pass on every thread, in a process of its "
+        'own), a single decision is timed by `bench/solo_passes.py` ("Solo passes").',
     ]
     if "bank_build_s" in out:
         lines += [
