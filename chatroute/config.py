@@ -16,6 +16,7 @@ from pydantic import (
     AfterValidator,
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -61,6 +62,15 @@ def _not_blank(text: str) -> str:
 
 
 Utterance = Annotated[str, AfterValidator(_not_blank)]
+
+
+def _thread_count_or_all(value: Any) -> Any:
+    if value == "all" or (type(value) is int and value >= 1):
+        return value
+    raise ValueError(f"'all' or a number of threads (1 or more), got {value!r}")
+
+
+ThreadsOrAll = Annotated[Literal["all"] | int, BeforeValidator(_thread_count_or_all)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 RESERVED_MODEL_NAMES = frozenset({"auto"})
 
@@ -163,7 +173,7 @@ class EmbedderConfig(_Strict):
     workers: int | None = Field(default=None, ge=1)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=1000)
     pack_width: int | None = Field(default=None, ge=0, le=1024)
-    solo_threads: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
+    solo_threads: ThreadsOrAll = "all"
 
 
 class RoutingConfig(_Strict):

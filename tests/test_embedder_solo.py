@@ -244,6 +244,6 @@ def test_the_library_default_and_one_thread_keep_passes_on_a_worker_s_share(
 def test_the_service_config_turns_solo_passes_on_and_validates_the_count() -> None:
     assert EmbedderConfig().solo_threads == "all"
     assert EmbedderConfig(solo_threads=1).solo_threads == 1
-    for bad in (0, "some"):
-        with pytest.raises(ValueError, match="solo_threads"):
+    for bad in (0, "some", True, 2.5):
+        with pytest.raises(ValueError, match=r"'all' or a number of threads \(1 or more\)"):
             EmbedderConfig(solo_threads=bad)
