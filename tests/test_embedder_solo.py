@@ -247,3 +247,35 @@ def test_the_service_config_turns_solo_passes_on_and_validates_the_count() -> No
     for bad in (0, "some", True, 2.5):
         with pytest.raises(ValueError, match=r"'all' or a number of threads \(1 or more\)"):
             EmbedderConfig(solo_threads=bad)
+
+
+def test_a_lead_that_is_gone_leaves_the_queue_to_the_others() -> None:
+    batcher = solo_batcher()
+    queue(batcher, [4])
+    assert batcher.take(wait=False, worker=1) is None  # deferring to the lead
+    batcher.end_solo()  # the lead's thread ended (its worker loop's `finally`)
+    batch = batcher.take(wait=False, worker=1)
+    assert batch is not None and not batch.solo
+
+
+async def test_if_the_lead_thread_dies_the_other_worker_serves_every_caller(
+    make: Callable[..., SentenceTransformerEmbedder],
+    runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    want = runner.embed_direct(["still answered"])
+    original = SentenceTransformerEmbedder._serve
+
+    def serve(self: SentenceTransformerEmbedder, index: int) -> None:
+        if index == 0:
+            raise RuntimeError("the lead's loop broke")  # a bug, not a failed pass
+        original(self, index)
+
+    monkeypatch.setattr(SentenceTransformerEmbedder, "_serve", serve)
+    emb = make(workers=2, solo_threads=2)
+    emb._workers[0].join(30)
+    assert not emb._workers[0].is_alive()
+    got = await asyncio.wait_for(emb.generate(["still answered"]), 60)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    assert "model thread 0 stopped" in caplog.text

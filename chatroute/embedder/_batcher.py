@@ -286,6 +286,14 @@ class MicroBatcher:
                 batch.computed = True
                 self._computing -= 1
 
+    def end_solo(self) -> None:
+        """The lead worker is gone: the others stop deferring to it."""
+        with self._cond:
+            self.solo = False
+            self._solo_running = False
+            self._cond.notify_all()
+            self._lead_cond.notify_all()
+
     def _defers(self, worker: int) -> bool:
         """With `solo`, a worker other than the lead waits while no pass runs (the lead
         takes the next one) and while a solo pass runs (it has the cores), unless

@@ -462,6 +462,15 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
     # -- the model threads ----------------------------------------------------------------------
 
     def _work(self, index: int) -> None:
+        try:
+            self._serve(index)
+        except Exception:  # a bug: the passes' own failures reach their callers
+            logger.exception("embedder: model thread %d stopped", index)
+        finally:
+            if index == 0:  # whatever ended it, the other workers must not wait for it
+                self._batcher.end_solo()
+
+    def _serve(self, index: int) -> None:
         if self._set_team is not None:
             # With solo passes, the team size changes pass by pass through the OpenMP
             # runtime alone: after `torch.set_num_threads` in this thread, torch's matrix
