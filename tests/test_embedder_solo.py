@@ -279,3 +279,22 @@ async def test_if_the_lead_thread_dies_the_other_worker_serves_every_caller(
     got = await asyncio.wait_for(emb.generate(["still answered"]), 60)
     np.testing.assert_allclose(got, want, atol=ATOL)
     assert "model thread 0 stopped" in caplog.text
+
+
+def test_the_service_builds_its_embedder_with_the_configured_solo_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chatroute.config import load_config
+    from chatroute.engine import build_embedder
+
+    seen: list[object] = []
+
+    def fake(*args: Any, **kwargs: Any) -> object:
+        seen.append(kwargs["solo_threads"])
+        return object()
+
+    monkeypatch.setattr("chatroute.embedder.SentenceTransformerEmbedder", fake)
+    config = load_config("examples/chatroute.yaml", environ={})  # no solo_threads key
+    build_embedder(config)
+    build_embedder(config.model_copy(update={"embedder": EmbedderConfig(solo_threads=1)}))
+    assert seen == ["all", 1]
