@@ -338,6 +338,11 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         return len(self._workers)
 
     @property
+    def solo_threads(self) -> int | None:
+        """Intra-op threads of a solo pass; None when every pass stays on its worker's share."""
+        return self._solo_threads
+
+    @property
     def queue_depth(self) -> int:
         """Texts accepted and not yet in a forward pass."""
         return self._batcher.queue_depth

@@ -67,6 +67,8 @@ def startup_summary(
             "model": getattr(embedder, "model", None) or config.embedder.model,
             "device": getattr(embedder, "device", None) or config.embedder.device,
             "dtype": getattr(embedder, "dtype", None) or config.embedder.dtype,
+            "workers": getattr(embedder, "workers", None),
+            "solo_threads": getattr(embedder, "solo_threads", None),
         },
         "policy": config.routing.policy,
         "scoring": scoring,
@@ -95,13 +97,18 @@ def log_startup(summary: Mapping[str, Any]) -> None:
     """Log the summary: one line on the whole, one per route and one per provider."""
     embedder = summary["embedder"]
     seconds = summary["training_seconds"]
+    how = [embedder["dtype"]]
+    if embedder.get("workers"):
+        how.append(f"{embedder['workers']} model threads")
+    if embedder.get("solo_threads"):
+        how.append(f"a lone pass on {embedder['solo_threads']} threads")
     logger.info(
         "chatroute %s: embedder %s on %s (%s); %s routing, scoring %s (trained in %s); "
         "auth %s; shared state %s",
         summary["version"],
         embedder["model"],
         embedder["device"],
-        embedder["dtype"],
+        ", ".join(how),
         summary["policy"],
         summary["scoring"],
         "-" if seconds is None else f"{seconds:.2f} s",
