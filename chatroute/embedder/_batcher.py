@@ -270,9 +270,7 @@ class MicroBatcher:
         """Report that `batch`'s forward pass is over (a worker waiting for company rechecks)."""
         with self._cond:
             self._running -= batch.size
-            if not batch.computed:
-                batch.computed = True
-                self._computing -= 1
+            self._mark_computed(batch)
             if batch.solo:
                 self._solo_running = False
             self._cond.notify_all()
@@ -282,9 +280,12 @@ class MicroBatcher:
         """Report that `batch`'s forward pass is over, before its answers go out: callers
         that come back from then on arrived at an idle embedder (`finished` implies it)."""
         with self._cond:
-            if not batch.computed:
-                batch.computed = True
-                self._computing -= 1
+            self._mark_computed(batch)
+
+    def _mark_computed(self, batch: Batch) -> None:
+        if not batch.computed:
+            batch.computed = True
+            self._computing -= 1
 
     def end_solo(self) -> None:
         """The lead worker is gone: the others stop deferring to it."""

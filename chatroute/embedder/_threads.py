@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -16,7 +17,6 @@ __all__ = ["one_thread", "team_size_setter", "use_threads"]
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_SETTER: list[Callable[[int], None] | None] = []
 
 
 def use_threads(count: int) -> None:
@@ -37,18 +37,12 @@ def use_threads(count: int) -> None:
         restore.join()
 
 
+@functools.cache
 def team_size_setter() -> Callable[[int], None] | None:
     """`omp_set_num_threads` of the OpenMP runtime torch runs on: the calling thread's team
     size alone, in a microsecond, where `torch.set_num_threads` also changes process-wide
     settings (the size later threads start with, MKL's, a cleared oneDNN cache). None when
     torch's operators do not run on an OpenMP runtime found beside it."""
-    with _LOCK:
-        if not _SETTER:
-            _SETTER.append(_find_setter())
-        return _SETTER[0]
-
-
-def _find_setter() -> Callable[[int], None] | None:
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     folder = Path(torch.__file__).parent / "lib"

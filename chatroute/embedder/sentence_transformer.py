@@ -481,7 +481,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             # runtime alone: after `torch.set_num_threads` in this thread, torch's matrix
             # products would stay on its count whatever the runtime's says.
             torch.get_num_threads()  # torch's own set-up of this thread comes first
-            self._set_team(self._worker_threads)  # type: ignore[arg-type]
+            self._set_team(self._worker_threads or 1)
         elif self._worker_threads is not None:
             use_threads(self._worker_threads)
         with self._runner.inference():
@@ -506,8 +506,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
     def _launch(self, batch: Batch) -> PendingResult | BaseException:
         set_team = self._set_team if batch.solo else None
         if set_team is not None:
-            assert self._solo_threads is not None and self._worker_threads is not None
-            set_team(self._solo_threads)
+            set_team(self._solo_threads or 1)
         try:
             return self._runner.launch(batch)
         except Exception as exc:
@@ -515,7 +514,7 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
             return exc
         finally:
             if set_team is not None:
-                set_team(self._worker_threads)  # type: ignore[arg-type]
+                set_team(self._worker_threads or 1)
 
     def _finish(self, batch: Batch, launched: PendingResult | BaseException) -> None:
         try:
