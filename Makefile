@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-solo bench-compare bench-soak bench-shared bench-peers peers clean
+.PHONY: install run demo test test-deps lint typecheck bench bench-core bench-routing bench-service bench-solo bench-traced bench-compare bench-soak bench-shared bench-peers peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -86,6 +86,10 @@ bench-solo: $(STAMP)
 	$(BIN)/python bench/solo_passes.py
 
 # 200 streaming clients for 5 minutes through the real service, 2% injected faults.
+# The embedder's packed pass eager and traced, alone and beside a busy Python thread.
+bench-traced: $(STAMP)
+	$(BIN)/python bench/traced_pass.py
+
 bench-soak: $(STAMP)
 	$(BIN)/python bench/load_soak.py
 
@@ -115,7 +119,7 @@ peers: $(PEERS_VENV)/.installed .peers/.installed
 bench-peers: $(STAMP) peers
 	$(BIN)/python bench/peer_overhead.py
 
-bench: bench-core bench-routing bench-service bench-solo bench-soak bench-shared
+bench: bench-core bench-routing bench-service bench-solo bench-traced bench-soak bench-shared
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(PEERS_VENV) .peers .mypy_cache .ruff_cache .pytest_cache

@@ -14,7 +14,7 @@ import hashlib
 import inspect
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +32,7 @@ from chatroute.embedder._locate import (
     locate,
     offline_state,
 )
+from chatroute.embedder._traced import PackedInputs, PackedPass, trace_packed
 from chatroute.embedder.errors import EmbedderLoadError
 
 __all__ = ["DEFAULT_MODEL_NAME", "ModelRunner", "PendingResult", "offline_state"]
@@ -210,6 +211,8 @@ class ModelRunner:
         self.fast = fast_path and self._setup_fast_path()
         if not self.fast:
             logger.info("embedder: %s runs through SentenceTransformer.encode per batch", self.name)
+        self._pass: Callable[..., torch.Tensor] | None = None  # set by `_setup_packing`
+        self.traced = False
         self.packs = self.fast and self._setup_packing()
 
     # -- identity -----------------------------------------------------------------------------
@@ -388,7 +391,7 @@ class ModelRunner:
         attention mask, and a probe embeds the same texts both ways."""
         first = self._st[0]
         model = getattr(first, "auto_model", None)
-        if model is None:
+        if not isinstance(model, torch.nn.Module):
             return False
         passed = getattr(first, "model_forward_params", None)  # None: every model input
         try:
@@ -403,6 +406,14 @@ class ModelRunner:
             "eager",
         ):
             return False
+        self.traced = False
+        self._pass = PackedPass(
+            list(self._st),
+            dtype=self.dtype,
+            type_ids=self._type_ids,
+            prompt_length=self._prompt_length,
+            normalize=self._normalize_out,
+        )
         try:
             request = Request(len(_PROBE_TEXTS) + 2)
             texts = [*_PROBE_TEXTS, "a", "two words"]
@@ -425,15 +436,51 @@ class ModelRunner:
             same = rows < len(texts) and bool(torch.allclose(got, want, atol=tolerance, rtol=0))
         except Exception:  # a model the packed call does not fit: padded passes only
             logger.debug("embedder packing probe failed", exc_info=True)
+            self._pass = None
             return False
         if not same:
             logger.info("embedder: %s cannot pack texts into shared rows", self.name)
+            self._pass = None
+        elif self.device.type == "cpu":
+            self._setup_trace(packed)
         return same
 
+    def _setup_trace(self, probe: Batch) -> None:
+        """Run packed passes' transformer traced (`_traced`) where it gives the same states:
+        checked on the packing probe and on batches of other row counts and widths."""
+        texts = [f"{t} {n}" for n in range(8) for t in _PROBE_TEXTS]
+        seg = self.make_segment(Request(len(texts)), 0, texts)
+        offs = np.arange(len(texts), dtype=np.int64)
+        batches = [probe]
+        for target in (64, 24):
+            starts, rows, width = pack_rows(seg.lengths, target)
+            batches.append(
+                Batch(
+                    parts=[(seg, offs)],
+                    size=len(texts),
+                    max_len=int(seg.lengths.max()),
+                    width=width,
+                    starts=starts,
+                    rows=rows,
+                )
+            )
+        assert isinstance(self._pass, PackedPass)
+        traced = trace_packed(
+            self._pass,
+            [self._packed_inputs(b) for b in batches],
+            tolerance=1e-5 if self.dtype == torch.float32 else 2e-2,
+        )
+        if traced is not None:
+            self._pass = traced
+            self.traced = True
+
     def _forward_packed(self, batch: Batch) -> torch.Tensor:
-        """A packed batch through the model: each text keeps its own positions and attends
-        only to itself; its token states are pooled as the model's own pooling does for an
-        unpadded (flattened) batch."""
+        """A packed batch through the model (`PackedPass`), traced where that was proven."""
+        assert self._pass is not None
+        return self._pass(*self._packed_inputs(batch))
+
+    def _packed_inputs(self, batch: Batch) -> PackedInputs:
+        """The `PackedPass` inputs of a packed batch, on the model's device."""
         assert batch.starts is not None
         width, rows = batch.width, batch.rows
         lengths = batch.lengths
@@ -452,36 +499,15 @@ class ModelRunner:
         positions[dest] = within
         owner = np.full(rows * width, -1, dtype=np.int64)
         owner[dest] = np.repeat(np.arange(batch.size, dtype=np.int64), lengths)
-
-        device = self.device
-        owner_t = torch.from_numpy(owner.reshape(rows, width)).to(device)
-        same_text = owner_t[:, :, None] == owner_t[:, None, :]
-        same_text |= torch.eye(width, dtype=torch.bool, device=device)  # empty slots: themselves
-        mask = torch.zeros(same_text.shape, dtype=self.dtype, device=device)
-        mask.masked_fill_(~same_text, torch.finfo(self.dtype).min)
-        input_ids = torch.from_numpy(ids.reshape(rows, width)).to(device)
-        features: dict[str, Any] = {
-            "input_ids": input_ids,
-            "attention_mask": mask[:, None],
-            "position_ids": torch.from_numpy(positions.reshape(rows, width)).to(device),
-        }
-        if self._type_ids:
-            features["token_type_ids"] = torch.zeros_like(input_ids)
-        states = self._st[0](features)["token_embeddings"]
-        flat = states.reshape(rows * width, -1)[torch.from_numpy(dest).to(device)]
         bounds = np.concatenate(([0], np.cumsum(lengths)))
-        pooled: dict[str, Any] = {
-            "token_embeddings": flat[None],
-            "cu_seq_lens_q": torch.from_numpy(bounds).to(device),
-        }
-        if self._prompt_length is not None:
-            pooled["prompt_length"] = self._prompt_length
-        for module in list(self._st)[1:]:
-            pooled = module(pooled)
-        out: torch.Tensor = pooled["sentence_embedding"]
-        if self._normalize_out:
-            out = torch.nn.functional.normalize(out.to(torch.float32), p=2, dim=1)
-        return out
+        device = self.device
+        return (
+            torch.from_numpy(ids.reshape(rows, width)).to(device),
+            torch.from_numpy(owner.reshape(rows, width)).to(device),
+            torch.from_numpy(positions.reshape(rows, width)).to(device),
+            torch.from_numpy(dest).to(device),
+            torch.from_numpy(bounds).to(device),
+        )
 
     def embed_direct(self, texts: Sequence[str]) -> FloatArray:
         """Embed without the batcher (warm-up and checks): one segment, one batch."""
