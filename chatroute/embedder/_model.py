@@ -446,24 +446,21 @@ class ModelRunner:
         return same
 
     def _setup_trace(self, probe: Batch) -> None:
-        """Run packed passes' transformer traced (`_traced`) where it gives the same states:
-        checked on the packing probe and on batches of other row counts and widths."""
-        texts = [f"{t} {n}" for n in range(8) for t in _PROBE_TEXTS]
+        """Run packed passes as a trace (`_traced`) where it gives the same vectors:
+        checked on the packing probe and on a batch of more rows and another width."""
+        texts = [f"{t} {n}" for n in range(4) for t in _PROBE_TEXTS]
         seg = self.make_segment(Request(len(texts)), 0, texts)
         offs = np.arange(len(texts), dtype=np.int64)
-        batches = [probe]
-        for target in (64, 24):
-            starts, rows, width = pack_rows(seg.lengths, target)
-            batches.append(
-                Batch(
-                    parts=[(seg, offs)],
-                    size=len(texts),
-                    max_len=int(seg.lengths.max()),
-                    width=width,
-                    starts=starts,
-                    rows=rows,
-                )
-            )
+        starts, rows, width = pack_rows(seg.lengths, 24)  # more rows, another width
+        other = Batch(
+            parts=[(seg, offs)],
+            size=len(texts),
+            max_len=int(seg.lengths.max()),
+            width=width,
+            starts=starts,
+            rows=rows,
+        )
+        batches = [probe, other]
         assert isinstance(self._pass, PackedPass)
         traced = trace_packed(
             self._pass,
