@@ -41,7 +41,6 @@ from _common import REPO, command, load_clinc150, machine, table, write_section
 
 from chatroute.embedder import SentenceTransformerEmbedder
 from chatroute.embedder._batcher import Batch, Request, pack_rows
-from chatroute.embedder._traced import PackedPass
 
 TEXTS, PER_PASS, WIDTH = 640, 32, 64
 
@@ -53,13 +52,7 @@ def run(args: argparse.Namespace) -> str:
     if not runner.traced:
         raise SystemExit("the embedder did not trace its packed pass on this machine")
     traced = runner._pass
-    eager = PackedPass(
-        list(runner._st),
-        dtype=runner.dtype,
-        type_ids=runner._type_ids,
-        prompt_length=runner._prompt_length,
-        normalize=runner._normalize_out,
-    )
+    eager = runner.packed_pass()
     batches = []
     for start in range(0, TEXTS, PER_PASS):
         chunk = texts[start : start + PER_PASS]

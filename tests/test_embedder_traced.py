@@ -37,13 +37,7 @@ def packed_batch(runner: ModelRunner, texts: list[str], width: int) -> Batch:
 
 
 def eager_pass(runner: ModelRunner) -> PackedPass:
-    return PackedPass(
-        list(runner._st),
-        dtype=runner.dtype,
-        type_ids=runner._type_ids,
-        prompt_length=runner._prompt_length,
-        normalize=runner._normalize_out,
-    )
+    return runner.packed_pass()
 
 
 @pytest.fixture

@@ -407,13 +407,7 @@ class ModelRunner:
         ):
             return False
         self.traced = False
-        self._pass = PackedPass(
-            list(self._st),
-            dtype=self.dtype,
-            type_ids=self._type_ids,
-            prompt_length=self._prompt_length,
-            normalize=self._normalize_out,
-        )
+        self._pass = self.packed_pass()
         try:
             request = Request(len(_PROBE_TEXTS) + 2)
             texts = [*_PROBE_TEXTS, "a", "two words"]
@@ -444,6 +438,16 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self._setup_trace(packed)
         return same
+
+    def packed_pass(self) -> PackedPass:
+        """A new eager `PackedPass` over this model's modules (shared, not copied)."""
+        return PackedPass(
+            list(self._st),
+            dtype=self.dtype,
+            type_ids=self._type_ids,
+            prompt_length=self._prompt_length,
+            normalize=self._normalize_out,
+        )
 
     def _setup_trace(self, probe: Batch) -> None:
         """Run packed passes as a trace (`_traced`) where it gives the same vectors:
