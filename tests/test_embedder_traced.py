@@ -95,7 +95,7 @@ def test_a_trace_that_differs_is_refused_and_passes_stay_eager(
 
 
 def test_a_model_the_tracer_cannot_follow_keeps_the_eager_pass(
-    probe_state: ModelRunner, monkeypatch: pytest.MonkeyPatch
+    probe_state: ModelRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     runner = probe_state
 
@@ -103,8 +103,10 @@ def test_a_model_the_tracer_cannot_follow_keeps_the_eager_pass(
         raise RuntimeError("cannot trace this")
 
     monkeypatch.setattr(torch.jit, "trace", refuse)
-    assert runner._setup_packing()
+    with caplog.at_level(logging.INFO, logger="chatroute.embedder"):
+        assert runner._setup_packing()
     assert not runner.traced and isinstance(runner._pass, PackedPass)
+    assert "could not be traced (RuntimeError); passes stay eager" in caplog.text
 
 
 def test_trace_packed_keeps_the_trace_only_when_every_probe_agrees(runner: ModelRunner) -> None:

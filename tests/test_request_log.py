@@ -440,6 +440,7 @@ def test_the_startup_summary_names_what_runs_and_never_a_key(
     inner = getattr(engine.embedder, "inner", engine.embedder)
     assert summary["embedder"]["workers"] == inner.workers >= 1
     assert summary["embedder"]["solo_threads"] == inner.solo_threads
+    assert summary["embedder"]["traced"] is inner.traced is True
     assert summary["scoring"] == engine.router.scoring.name
     assert summary["training_seconds"] == engine.router.training_seconds is not None
     assert summary["routes"] == {
@@ -455,7 +456,9 @@ def test_the_startup_summary_names_what_runs_and_never_a_key(
     text = logs.text()
     assert "auth on; shared state off" in text
     assert f"(fp32, {inner.workers} model threads" in text
-    log_startup({**summary, "embedder": {**summary["embedder"], "solo_threads": 2}})
+    assert ", packed passes traced)" in text
+    eager = {**summary["embedder"], "solo_threads": 2, "traced": False}
+    log_startup({**summary, "embedder": eager})
     assert "model threads, a lone pass on 2 threads)" in logs.text()
     assert "route chain (default): 1 utterances, failover primary -> fallback" in text
     assert "provider primary: openai primary-model at http://127.0.0.1:" in text

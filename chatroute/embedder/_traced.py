@@ -122,8 +122,12 @@ def trace_packed(
                 if got.shape != want.shape or not torch.allclose(got, want, atol=tolerance, rtol=0):
                     logger.info("embedder: the traced forward pass differs; passes stay eager")
                     return None
-    except Exception:
-        logger.debug("embedder: the forward pass could not be traced", exc_info=True)
+    except Exception as exc:
+        logger.info(
+            "embedder: the forward pass could not be traced (%s); passes stay eager",
+            type(exc).__name__,
+        )
+        logger.debug("embedder: tracing failed", exc_info=True)
         return None
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:

@@ -338,6 +338,11 @@ class SentenceTransformerEmbedder(EmbeddingGenerator):
         return len(self._workers)
 
     @property
+    def traced(self) -> bool:
+        """Whether packed passes run as a TorchScript trace (CPU, where it was proven equal)."""
+        return self._runner.traced
+
+    @property
     def solo_threads(self) -> int | None:
         """Intra-op threads of a solo pass; None when every pass stays on its worker's share."""
         return self._solo_threads

@@ -69,6 +69,7 @@ def startup_summary(
             "dtype": getattr(embedder, "dtype", None) or config.embedder.dtype,
             "workers": getattr(embedder, "workers", None),
             "solo_threads": getattr(embedder, "solo_threads", None),
+            "traced": getattr(embedder, "traced", None),
         },
         "policy": config.routing.policy,
         "scoring": scoring,
@@ -102,6 +103,8 @@ def log_startup(summary: Mapping[str, Any]) -> None:
         how.append(f"{embedder['workers']} model threads")
     if embedder.get("solo_threads"):
         how.append(f"a lone pass on {embedder['solo_threads']} threads")
+    if embedder.get("traced"):
+        how.append("packed passes traced")
     logger.info(
         "chatroute %s: embedder %s on %s (%s); %s routing, scoring %s (trained in %s); "
         "auth %s; shared state %s",
