@@ -35,12 +35,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 import torch
 from _common import REPO, command, load_clinc150, machine, table, write_section
 
 from chatroute.embedder import SentenceTransformerEmbedder
-from chatroute.embedder._batcher import Batch, Request, pack_rows
 
 TEXTS, PER_PASS, WIDTH = 640, 32, 64
 
@@ -53,16 +51,10 @@ def run(args: argparse.Namespace) -> str:
         raise SystemExit("the embedder did not trace its packed pass on this machine")
     traced = runner._pass
     eager = runner.packed_pass()
-    batches = []
-    for start in range(0, TEXTS, PER_PASS):
-        chunk = texts[start : start + PER_PASS]
-        seg = runner.make_segment(Request(len(chunk)), 0, chunk)
-        starts, rows, width = pack_rows(seg.lengths, WIDTH)
-        offs = np.arange(len(chunk), dtype=np.int64)
-        max_len = int(seg.lengths.max())
-        batches.append(
-            Batch([(seg, offs)], len(chunk), max_len, width=width, starts=starts, rows=rows)
-        )
+    batches = [
+        runner.packed_batch(texts[start : start + PER_PASS], WIDTH)
+        for start in range(0, TEXTS, PER_PASS)
+    ]
     inputs = [runner._packed_inputs(b) for b in batches]
     with torch.inference_mode():
         diff = max(float((traced(*x) - eager(*x)).abs().max()) for x in inputs)

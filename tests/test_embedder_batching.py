@@ -186,7 +186,6 @@ def test_packing_is_refused_when_the_probe_differs(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(runner, "_pass", runner._pass)  # the probes below replace it
-    monkeypatch.setattr(runner, "traced", runner.traced)
     assert runner._setup_packing()
     monkeypatch.setattr(
         runner, "_forward_packed", lambda batch: torch.zeros(batch.size, runner.dimension)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from chatroute.embedder import SentenceTransformerEmbedder
-from chatroute.embedder._batcher import Batch, Request, pack_rows
 from chatroute.embedder._model import ModelRunner
 from chatroute.embedder._traced import PackedPass, trace_packed
 
@@ -28,23 +27,14 @@ TEXTS = [
 ]
 
 
-def packed_batch(runner: ModelRunner, texts: list[str], width: int) -> Batch:
-    seg = runner.make_segment(Request(len(texts)), 0, texts)
-    starts, rows, row_width = pack_rows(seg.lengths, width)
-    offs = np.arange(len(texts), dtype=np.int64)
-    max_len = int(seg.lengths.max())
-    return Batch([(seg, offs)], len(texts), max_len, width=row_width, starts=starts, rows=rows)
-
-
 def eager_pass(runner: ModelRunner) -> PackedPass:
     return runner.packed_pass()
 
 
 @pytest.fixture
 def probe_state(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
-    """The shared runner, its pass and flags restored after a test that probes again."""
+    """The shared runner, its pass restored after a test that probes again."""
     monkeypatch.setattr(runner, "_pass", runner._pass)
-    monkeypatch.setattr(runner, "traced", runner.traced)
     return runner
 
 
@@ -56,9 +46,9 @@ def test_the_default_model_runs_traced_passes_equal_to_the_eager_module(
     eager = eager_pass(runner)
     # Other row counts and widths than the probes', texts of every kind.
     for texts, width in ((TEXTS, 64), (TEXTS * 5, 64), (TEXTS[:3], 16), (TEXTS * 3, 40)):
-        inputs = runner._packed_inputs(packed_batch(runner, texts, width))
+        inputs = runner._packed_inputs(runner.packed_batch(texts, width))
         with torch.inference_mode():
-            got, want = runner._forward_packed(packed_batch(runner, texts, width)), eager(*inputs)
+            got, want = runner._forward_packed(runner.packed_batch(texts, width)), eager(*inputs)
         assert got.shape == (len(texts), runner.dimension)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
@@ -87,7 +77,7 @@ def test_a_trace_that_differs_is_refused_and_passes_stay_eager(
         assert runner._setup_packing()  # packing itself still holds
     assert not runner.traced and isinstance(runner._pass, PackedPass)
     assert "the traced forward pass differs; passes stay eager" in caplog.text
-    batch = packed_batch(runner, TEXTS, 64)
+    batch = runner.packed_batch(TEXTS, 64)
     with torch.inference_mode():
         got = runner._forward_packed(batch)
         want = eager_pass(runner)(*runner._packed_inputs(batch))
@@ -111,10 +101,10 @@ def test_a_model_the_tracer_cannot_follow_keeps_the_eager_pass(
 
 def test_trace_packed_keeps_the_trace_only_when_every_probe_agrees(runner: ModelRunner) -> None:
     eager = eager_pass(runner)
-    probes = [runner._packed_inputs(packed_batch(runner, TEXTS[:k], 64)) for k in (3, 8)]
+    probes = [runner._packed_inputs(runner.packed_batch(TEXTS[:k], 64)) for k in (3, 8)]
     traced = trace_packed(eager, probes, tolerance=1e-5)
     assert traced is not None
-    batch = runner._packed_inputs(packed_batch(runner, TEXTS * 4, 24))
+    batch = runner._packed_inputs(runner.packed_batch(TEXTS * 4, 24))
     with torch.inference_mode():
         torch.testing.assert_close(traced(*batch), eager(*batch), atol=1e-6, rtol=0)
 

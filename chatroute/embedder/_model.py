@@ -212,7 +212,6 @@ class ModelRunner:
         if not self.fast:
             logger.info("embedder: %s runs through SentenceTransformer.encode per batch", self.name)
         self._pass: Callable[..., torch.Tensor] | None = None  # set by `_setup_packing`
-        self.traced = False
         self.packs = self.fast and self._setup_packing()
 
     # -- identity -----------------------------------------------------------------------------
@@ -406,28 +405,17 @@ class ModelRunner:
             "eager",
         ):
             return False
-        self.traced = False
         self._pass = self.packed_pass()
         try:
-            request = Request(len(_PROBE_TEXTS) + 2)
             texts = [*_PROBE_TEXTS, "a", "two words"]
-            seg = self.make_segment(request, 0, texts)
-            offs = np.arange(len(texts), dtype=np.int64)
-            starts, rows, width = pack_rows(seg.lengths, int(seg.lengths.max()) + 4)
-            padded = Batch(parts=[(seg, offs)], size=len(texts), max_len=int(seg.lengths.max()))
-            packed = Batch(
-                parts=[(seg, offs)],
-                size=len(texts),
-                max_len=padded.max_len,
-                width=width,
-                starts=starts,
-                rows=rows,
-            )
+            packed = self.packed_batch(texts, width=0)
+            padded = Batch(parts=packed.parts, size=packed.size, max_len=packed.max_len)
             with self.inference():
                 want = self._forward_ids(*self._collate(padded)).to(torch.float32)
                 got = self._forward_packed(packed).to(torch.float32)
-            tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
-            same = rows < len(texts) and bool(torch.allclose(got, want, atol=tolerance, rtol=0))
+            same = packed.rows < len(texts) and bool(
+                torch.allclose(got, want, atol=self._probe_tolerance, rtol=0)
+            )
         except Exception:  # a model the packed call does not fit: padded passes only
             logger.debug("embedder packing probe failed", exc_info=True)
             self._pass = None
@@ -438,6 +426,32 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self._setup_trace(packed)
         return same
+
+    @property
+    def traced(self) -> bool:
+        """Whether packed passes run as a TorchScript trace (`_setup_trace`)."""
+        return self._pass is not None and not isinstance(self._pass, PackedPass)
+
+    @property
+    def _probe_tolerance(self) -> float:
+        """How far a probe's vectors may differ from the reference's, by dtype."""
+        return 1e-5 if self.dtype == torch.float32 else 2e-2
+
+    def packed_batch(self, texts: list[str], width: int) -> Batch:
+        """`texts` tokenised as one packed batch in rows of about `width` tokens (0: the
+        longest text's length plus 4)."""
+        seg = self.make_segment(Request(len(texts)), 0, texts)
+        max_len = int(seg.lengths.max())
+        starts, rows, row_width = pack_rows(seg.lengths, width or max_len + 4)
+        offs = np.arange(len(texts), dtype=np.int64)
+        return Batch(
+            parts=[(seg, offs)],
+            size=len(texts),
+            max_len=max_len,
+            width=row_width,
+            starts=starts,
+            rows=rows,
+        )
 
     def packed_pass(self) -> PackedPass:
         """A new eager `PackedPass` over this model's modules (shared, not copied)."""
@@ -453,27 +467,15 @@ class ModelRunner:
         """Run packed passes as a trace (`_traced`) where it gives the same vectors:
         checked on the packing probe and on a batch of more rows and another width."""
         texts = [f"{t} {n}" for n in range(4) for t in _PROBE_TEXTS]
-        seg = self.make_segment(Request(len(texts)), 0, texts)
-        offs = np.arange(len(texts), dtype=np.int64)
-        starts, rows, width = pack_rows(seg.lengths, 24)  # more rows, another width
-        other = Batch(
-            parts=[(seg, offs)],
-            size=len(texts),
-            max_len=int(seg.lengths.max()),
-            width=width,
-            starts=starts,
-            rows=rows,
-        )
-        batches = [probe, other]
+        other = self.packed_batch(texts, width=24)  # more rows, another width
         assert isinstance(self._pass, PackedPass)
         traced = trace_packed(
             self._pass,
-            [self._packed_inputs(b) for b in batches],
-            tolerance=1e-5 if self.dtype == torch.float32 else 2e-2,
+            [self._packed_inputs(b) for b in (probe, other)],
+            tolerance=self._probe_tolerance,
         )
         if traced is not None:
             self._pass = traced
-            self.traced = True
 
     def _forward_packed(self, batch: Batch) -> torch.Tensor:
         """A packed batch through the model (`PackedPass`), traced where that was proven."""

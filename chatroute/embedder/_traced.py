@@ -129,9 +129,5 @@ def trace_packed(
         )
         logger.debug("embedder: tracing failed", exc_info=True)
         return None
-
-    def run(*inputs: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = traced(*inputs)
-        return out
-
-    return run
+    result: Callable[..., torch.Tensor] = traced
+    return result
