@@ -82,7 +82,7 @@ class BorrowedEmbedder(EmbeddingGenerator):
 # waits), run first: the workers of `pytest -n` take files in collection order, so a long
 # file started last would keep one worker busy after the other has finished. The Ray file
 # is longest by far (two Ray runs, each starting an actor that loads the model): one
-# worker spends most of the run on it while the other takes the rest in this order.
+# worker spends much of the run on it while the others take the rest in this order.
 _LONGEST_FIRST = (
     "test_classify_ray.py",
     "test_serve_process.py",
