@@ -85,11 +85,11 @@ bench-compare: $(STAMP)
 bench-solo: $(STAMP)
 	$(BIN)/python bench/solo_passes.py
 
-# 200 streaming clients for 5 minutes through the real service, 2% injected faults.
 # The embedder's packed pass eager and traced, alone and beside a busy Python thread.
 bench-traced: $(STAMP)
 	$(BIN)/python bench/traced_pass.py
 
+# 200 streaming clients for 5 minutes through the real service, 2% injected faults.
 bench-soak: $(STAMP)
 	$(BIN)/python bench/load_soak.py
 
