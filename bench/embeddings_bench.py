@@ -18,9 +18,10 @@ Every CLINC150 test query (or the first `--limit`) goes through each arm once pe
 - `/v1/embeddings`, base64 (what the openai SDK asks for by default) and float:
   `--clients` concurrent keep-alive connections, one text per request.
 
-The arms take turns to go first over `--rounds` rounds, each round after an untimed
-warm-up of both sides; each HTTP arm opens its connections and sends one request on each
-before its clock (and its CPU counters) start. The table shows each arm's median round,
+The arms take turns to go first over `--rounds` rounds. Each arm runs its own untimed
+warm-up right before its clock (and its CPU counters) start: the same load on its first
+256 texts (an HTTP arm first opens its connections and sends one request on each), so that
+no arm's window starts with idle model threads and the passes' sizes still settling. The table shows each arm's median round,
 its ratio to the reference (the median of the per-round ratios, each round's arms measured
 back to back), the forward passes it ran (mean texts per pass, padded tokens per text: the
 in-process arms through a batch listener, the service through its `/metrics` histograms),
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ from bench.service_bench import (
 from chatroute.embedder import SentenceTransformerEmbedder
 
 MODEL = "default"
+WARM_TEXTS = 256  # each arm's own warm-up, right before its clock
 
 
 @dataclass
@@ -130,21 +132,27 @@ async def service_load(
         await conn.post("/v1/embeddings", bodies[0])
     answers: list[bytes] = [b""] * len(bodies)
     latencies: list[float] = []
-    queue = iter(enumerate(bodies))
 
-    async def worker(conn: Conn) -> None:
+    async def worker(conn: Conn, queue: Iterator[tuple[int, bytes]], timed: bool) -> None:
         for i, body in queue:
             started = time.perf_counter()
             status, payload = await conn.post("/v1/embeddings", body)
-            latencies.append(time.perf_counter() - started)
             if status != 200:
                 raise RuntimeError(f"/v1/embeddings: HTTP {status}: {payload[:200]!r}")
-            answers[i] = payload
+            if timed:
+                latencies.append(time.perf_counter() - started)
+                answers[i] = payload
+
+    # Warm: the load itself for a moment, off the clock, so that the timed window starts
+    # with the model threads busy, as every in-process arm's does (`WARM_TEXTS`).
+    warm = iter(enumerate(bodies[:WARM_TEXTS]))
+    await asyncio.gather(*(worker(c, warm, False) for c in conns))
+    queue = iter(enumerate(bodies))
 
     before = await batch_counters(conns[0])
     cpu, loop_cpu, client_cpu = process_cpu(pid), thread_cpu(pid, pid), time.process_time()
     started = time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in conns))
+    await asyncio.gather(*(worker(c, queue, True) for c in conns))
     elapsed = time.perf_counter() - started
     cost = Cost(
         cpu=process_cpu(pid) - cpu,
@@ -221,19 +229,24 @@ def run(args: argparse.Namespace) -> str:
         loop.run_until_complete(embedder.generate(texts[:256]))  # warm
         loop.run_until_complete(single.generate(texts[:256]))
         for round_ in range(args.rounds):
-            # Each arm leads a round in turn, after an untimed warm-up of both sides (the
-            # first arm after a pause otherwise pays for waking the idle threads up).
+            # Each arm leads a round in turn, after its own warm-up (`WARM_TEXTS`): an arm
+            # that followed a pause otherwise paid for waking idle threads and for passes
+            # that had not settled (in HTTP arms after the in-process ones, 28 texts a pass
+            # against 31-32).
             order = arms[round_ % len(arms) :] + arms[: round_ % len(arms)]
-            loop.run_until_complete(callers_load(embedder, texts[:256], args.clients))
-            loop.run_until_complete(service_load(port, pid, texts[:256], args.clients, "base64"))
             for arm in order:
                 if arm in ("bulk", "bulk1", "callers"):
+                    warm = texts[:WARM_TEXTS]
+                    if arm == "callers":
+                        loop.run_until_complete(callers_load(embedder, warm, args.clients))
+                    else:
+                        target = embedder if arm == "bulk" else single
+                        loop.run_until_complete(bulk_load(target, warm))
                     passes.clear()
                     cpu_before = time.process_time()  # this process, every thread
                     if arm == "callers":
                         rate = loop.run_until_complete(callers_load(embedder, texts, args.clients))
                     else:
-                        target = embedder if arm == "bulk" else single
                         rate = loop.run_until_complete(bulk_load(target, texts))
                     cost = Cost(cpu=time.process_time() - cpu_before)
                     cost.passes = len(passes)
@@ -324,9 +337,10 @@ def run(args: argparse.Namespace) -> str:
         "shared with other jobs).",
         f"- Command: `{command()}`",
         f"- Texts: {len(texts)} CLINC150 test queries, each arm every text once per round, "
-        f"{args.rounds} rounds, each arm first in turn, after an untimed warm-up; one text "
-        f"per request. Service: `chatroute serve`, embedder `{MODEL}` on `{args.device}` "
-        f"({workers} intra-op threads), /v1 open; the load client is a minimal asyncio "
+        f"{args.rounds} rounds, each arm first in turn and each after its own untimed "
+        f"warm-up (the same load on {WARM_TEXTS} texts); one text per request. Service: "
+        f"`chatroute serve`, embedder `{MODEL}` on `{args.device}` ({workers} intra-op "
+        "threads), /v1 open; the load client is a minimal asyncio "
         "HTTP/1.1 client (keep-alive) in the bench process, on the same cores. The "
         "in-process arms run the same model with the same settings in the bench process.",
         "",
