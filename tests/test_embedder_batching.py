@@ -196,6 +196,15 @@ def test_packing_is_refused_when_the_probe_differs(
 # -- holding a pass back ---------------------------------------------------------------------------
 
 
+def answered(batcher: MicroBatcher, count: int) -> None:
+    """`count` one-text callers served in one pass and answered: on their way back."""
+    for _ in range(count):
+        queue(batcher, [4])
+    done = batcher.take(wait=False)
+    assert done is not None and done.size == count
+    batcher.finished(done)
+
+
 def test_a_free_worker_holds_a_small_pass_back_but_never_past_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -203,15 +212,46 @@ def test_a_free_worker_holds_a_small_pass_back_but_never_past_the_bound(
         max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=0.02, workers=2
     )
     parked = Parked(batcher, monkeypatch, advance=True)
-    queue(batcher, [4] * 6)
+    answered(batcher, 10)
+    queue(batcher, [4] * 6)  # six of the ten come back together
     running = batcher.take(wait=True)
     assert running is not None and running.size == 6
-    assert parked.timeouts == []  # nothing else in flight: not held
+    assert parked.timeouts == []  # more ready than its share of the 6 in flight: not held
     queue(batcher, [4])
-    held = batcher.take(wait=True)  # 1 ready against a share of (6 + 1) // 2
+    held = batcher.take(wait=True)  # 1 ready against a share of (6 + 1) // 2, 3 on their way
     assert held is not None and held.size == 1
     assert sum(parked.timeouts) == pytest.approx(0.02)  # held for the bound, no longer
     assert all(t <= 0.02 for t in parked.timeouts)
+    # The three did not come: with as many in flight as then, it does not wait again.
+    for batch in (running, held):
+        batcher.finished(batch)
+    held_for = len(parked.timeouts)
+    queue(batcher, [4] * 6)
+    running = batcher.take(wait=True)
+    queue(batcher, [4])
+    again = batcher.take(wait=True)
+    assert running is not None and again is not None and again.size == 1
+    assert len(parked.timeouts) == held_for
+
+
+def test_a_free_worker_does_not_wait_for_texts_that_are_not_on_their_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 64 one-text callers split 60 / 4 between two passes: the four answered come back,
+    # and nothing else can come while the 60 are in a pass. Holding the four for a share
+    # of 32 would idle this worker for the whole bound on every pass.
+    batcher = MicroBatcher(
+        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=0.02, workers=2
+    )
+    parked = Parked(batcher, monkeypatch, advance=True)
+    queue(batcher, [4] * 60)
+    running = batcher.take(wait=True)
+    assert running is not None and running.size == 60
+    for _ in range(4):
+        queue(batcher, [4])
+    small = batcher.take(wait=True)
+    assert small is not None and small.size == 4
+    assert parked.timeouts == []  # not held at all
 
 
 def test_texts_arriving_while_a_worker_is_held_join_its_pass(
@@ -221,8 +261,9 @@ def test_texts_arriving_while_a_worker_is_held_join_its_pass(
         max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=60.0, workers=2
     )
     parked = Parked(batcher, monkeypatch, advance=False)  # the clock stands still
+    answered(batcher, 11)
     queue(batcher, [4] * 6)
-    assert batcher.take(wait=True) is not None  # 6 texts in a running pass
+    assert batcher.take(wait=True) is not None  # 6 texts in a running pass, 5 on their way
     thread, got = take_in_thread(batcher)
     for arrived in range(1, 6):
         parked.event.wait(30)  # the taker sits in its wait (a hang guard, not a timing)
@@ -241,12 +282,13 @@ def test_the_end_of_the_other_pass_releases_a_held_worker(
         max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=60.0, workers=2
     )
     parked = Parked(batcher, monkeypatch, advance=False)
+    answered(batcher, 8)
     queue(batcher, [4] * 6)
     running = batcher.take(wait=True)
     assert running is not None
     queue(batcher, [4])
     thread, got = take_in_thread(batcher)
-    assert parked.event.wait(30) and thread.is_alive()  # held while the 6 run
+    assert parked.event.wait(30) and thread.is_alive()  # held while the 6 run, 1 on its way
     batcher.finished(running)  # nothing else in flight now: go
     thread.join(30)
     assert got and got[0] is not None and got[0].size == 1
@@ -259,6 +301,7 @@ async def test_callers_arriving_during_a_pass_are_served_together_by_the_other_w
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     emb = make(workers=2, batch_wait_ms=1000)
+    await emb.generate([f"caller {i}" for i in range(11)])  # eleven callers, answered
     gate = ForwardGate(emb, monkeypatch)
     first = asyncio.create_task(emb.generate([f"held {i}" for i in range(6)]))
     await gate.wait_started()  # six texts held in one worker's pass
