@@ -196,6 +196,13 @@ def test_packing_is_refused_when_the_probe_differs(
 # -- holding a pass back ---------------------------------------------------------------------------
 
 
+def two_workers(max_wait: float) -> MicroBatcher:
+    """A batcher for two model threads that may hold a pass back for `max_wait` seconds."""
+    return MicroBatcher(
+        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=max_wait, workers=2
+    )
+
+
 def answered(batcher: MicroBatcher, count: int) -> None:
     """`count` one-text callers served in one pass and answered: on their way back."""
     for _ in range(count):
@@ -208,9 +215,7 @@ def answered(batcher: MicroBatcher, count: int) -> None:
 def test_a_free_worker_holds_a_small_pass_back_but_never_past_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    batcher = MicroBatcher(
-        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=0.02, workers=2
-    )
+    batcher = two_workers(max_wait=0.02)
     parked = Parked(batcher, monkeypatch, advance=True)
     answered(batcher, 10)
     queue(batcher, [4] * 6)  # six of the ten come back together
@@ -240,9 +245,7 @@ def test_a_free_worker_does_not_wait_for_texts_that_are_not_on_their_way(
     # 64 one-text callers split 60 / 4 between two passes: the four answered come back,
     # and nothing else can come while the 60 are in a pass. Holding the four for a share
     # of 32 would idle this worker for the whole bound on every pass.
-    batcher = MicroBatcher(
-        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=0.02, workers=2
-    )
+    batcher = two_workers(max_wait=0.02)
     parked = Parked(batcher, monkeypatch, advance=True)
     queue(batcher, [4] * 60)
     running = batcher.take(wait=True)
@@ -257,9 +260,7 @@ def test_a_free_worker_does_not_wait_for_texts_that_are_not_on_their_way(
 def test_texts_arriving_while_a_worker_is_held_join_its_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    batcher = MicroBatcher(
-        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=60.0, workers=2
-    )
+    batcher = two_workers(max_wait=60.0)
     parked = Parked(batcher, monkeypatch, advance=False)  # the clock stands still
     answered(batcher, 11)
     queue(batcher, [4] * 6)
@@ -278,9 +279,7 @@ def test_texts_arriving_while_a_worker_is_held_join_its_pass(
 def test_the_end_of_the_other_pass_releases_a_held_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    batcher = MicroBatcher(
-        max_batch_size=64, max_batch_tokens=1000, max_queue=100, max_wait=60.0, workers=2
-    )
+    batcher = two_workers(max_wait=60.0)
     parked = Parked(batcher, monkeypatch, advance=False)
     answered(batcher, 8)
     queue(batcher, [4] * 6)
