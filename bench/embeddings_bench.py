@@ -21,8 +21,8 @@ Every CLINC150 test query (or the first `--limit`) goes through each arm once pe
 The arms take turns to go first over `--rounds` rounds. Each arm runs its own untimed
 warm-up right before its clock (and its CPU counters) start: the same load on its first
 256 texts (an HTTP arm first opens its connections and sends one request on each), so that
-no arm's window starts with idle model threads and the passes' sizes still settling. The table shows each arm's median round,
-its ratio to the reference (the median of the per-round ratios, each round's arms measured
+no arm's window starts with idle model threads and passes still settling in size. The
+table shows each arm's median round, its ratio to the reference (the median of the per-round ratios, each round's arms measured
 back to back), the forward passes it ran (mean texts per pass, padded tokens per text: the
 in-process arms through a batch listener, the service through its `/metrics` histograms),
 and CPU time per text: the embedding process's (the bench process for the in-process arms,
@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,8 +226,12 @@ def run(args: argparse.Namespace) -> str:
             emb.add_batch_listener(lambda size, padded: passes.append((size, padded)))
         loop = asyncio.new_event_loop()
         stack.callback(loop.close)
-        loop.run_until_complete(embedder.generate(texts[:256]))  # warm
-        loop.run_until_complete(single.generate(texts[:256]))
+
+        def in_process(arm: str, batch: Sequence[str]) -> Coroutine[Any, Any, float]:
+            if arm == "callers":
+                return callers_load(embedder, batch, args.clients)
+            return bulk_load(embedder if arm == "bulk" else single, batch)
+
         for round_ in range(args.rounds):
             # Each arm leads a round in turn, after its own warm-up (`WARM_TEXTS`): an arm
             # that followed a pause otherwise paid for waking idle threads and for passes
@@ -236,18 +240,10 @@ def run(args: argparse.Namespace) -> str:
             order = arms[round_ % len(arms) :] + arms[: round_ % len(arms)]
             for arm in order:
                 if arm in ("bulk", "bulk1", "callers"):
-                    warm = texts[:WARM_TEXTS]
-                    if arm == "callers":
-                        loop.run_until_complete(callers_load(embedder, warm, args.clients))
-                    else:
-                        target = embedder if arm == "bulk" else single
-                        loop.run_until_complete(bulk_load(target, warm))
+                    loop.run_until_complete(in_process(arm, texts[:WARM_TEXTS]))
                     passes.clear()
                     cpu_before = time.process_time()  # this process, every thread
-                    if arm == "callers":
-                        rate = loop.run_until_complete(callers_load(embedder, texts, args.clients))
-                    else:
-                        rate = loop.run_until_complete(bulk_load(target, texts))
+                    rate = loop.run_until_complete(in_process(arm, texts))
                     cost = Cost(cpu=time.process_time() - cpu_before)
                     cost.passes = len(passes)
                     cost.rows = sum(size for size, _ in passes)
