@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -105,6 +106,53 @@ _LONGEST_FIRST = (
     "test_server_http.py",
     "test_cli_remote.py",
 )
+
+
+def _compile_for_the_workers(config: pytest.Config) -> None:
+    """Write the bytecode every worker of `pytest -n` would otherwise compile for itself.
+
+    On a fresh checkout each worker rewrites the asserts of all ~70 test modules (about
+    3 s of CPU a worker) and compiles the package: with three workers, three times over on
+    two cores. Done once here, the workers read it; the files are written as pytest writes
+    them (a complete file renamed into place), so a worker that gets there first is
+    harmless. pytest's rewriting internals are private: if they move, the workers simply
+    compile for themselves again.
+    """
+    import compileall
+
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc,
+            assertstate_key,
+            get_cache_dir,
+            try_makedirs,
+        )
+
+        state = config.stash[assertstate_key]
+    except (ImportError, KeyError):
+        state = None
+    root = Path(__file__).parent
+    compileall.compile_dir(root.parent / "chatroute", quiet=1)
+    for path in sorted(root.glob("*.py")):
+        if not path.name.startswith("test_") and path.name != "conftest.py":
+            compileall.compile_file(path, quiet=1)  # helpers, imported as plain modules
+        elif state is not None and path.name.startswith("test_"):
+            cache = get_cache_dir(path)
+            pyc = cache / (path.name[:-3] + PYC_TAIL)
+            if try_makedirs(cache) and _read_pyc(path, pyc) is None:
+                source_hash, code = _rewrite_test(path, config)
+                _write_pyc(state, code, source_hash, pyc)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under `pytest -n`, compile the test modules once, beside the workers' start-up."""
+    config = session.config
+    controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
+    if controller and not sys.dont_write_bytecode and config.getoption("assertmode") == "rewrite":
+        threading.Thread(target=_compile_for_the_workers, args=(config,), daemon=True).start()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
