@@ -18,9 +18,11 @@ Each rotation calls direct and every gateway once, in a fresh random order (a pr
 called right after another finds the code they share warm in the caches), at
 concurrency 1, timed as section a. of bench/service_bench.py times them: to the full
 answer, and to the first content token of a stream. It reports each gateway's added p50
-over direct and the CPU its process used per request. A gateway that fails a mode is
-reported as failing, with the reason, and left out of that mode. The result goes to the
-`peer-overhead` section of BENCHMARKS.md.
+over direct and the CPU its process used per request, and chatroute's added p50 as a
+multiple of the fastest peer's, with a bootstrap interval over the run's rotations (the
+noise within the run; the machine's drift between runs is wider). A gateway that fails
+a mode is reported as failing, with the reason, and left out of that mode. The result
+goes to the `peer-overhead` section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -172,6 +174,34 @@ def _probe(peer: Peer, stream: bool) -> str | None:
     return None
 
 
+def ratio_to_fastest(
+    times: Mapping[str, list[float]], ours: str = "chatroute", draws: int = 2000
+) -> tuple[str, float, float, float] | None:
+    """`ours`' added p50 over the fastest peer's (the lowest added p50) in the same run:
+    (that peer, the ratio, and the 5th and 95th percentiles of the ratio over `draws`
+    bootstrap resamples of the rotations, each rotation's calls drawn together). None
+    without `ours` or a peer. The interval covers the noise within a run, not the
+    machine's drift from one run to the next."""
+    import numpy as np
+
+    peers = [name for name in times if name not in ("direct", ours)]
+    if ours not in times or not peers:
+        return None
+    arrays = {name: np.asarray(values) for name, values in times.items()}
+    rotations = len(arrays["direct"])
+
+    def added(name: str, picks: np.ndarray) -> np.ndarray:
+        chosen = np.median(arrays[name][picks], axis=-1)
+        return chosen - np.median(arrays["direct"][picks], axis=-1)
+
+    everything = np.arange(rotations)
+    fastest = min(peers, key=lambda name: float(added(name, everything)))
+    ratio = float(added(ours, everything) / added(fastest, everything))
+    picks = np.random.default_rng(0).integers(0, rotations, (draws, rotations))
+    low, high = np.percentile(added(ours, picks) / added(fastest, picks), [5, 95])
+    return fastest, ratio, float(low), float(high)
+
+
 def run(args: argparse.Namespace) -> str:
     missing = [str(p) for p in (PEERS_VENV / "bin" / "litellm", PORTKEY_SERVER) if not p.exists()]
     if missing:
@@ -186,6 +216,7 @@ def run(args: argparse.Namespace) -> str:
             start_portkey(stack, upstream, work),
         ]
         results: dict[tuple[str, bool], tuple[str, str]] = {}
+        ratios: dict[bool, tuple[str, float, float, float] | None] = {}
         for stream in (False, True):
             arms: dict[str, tuple[int | None, str]] = {
                 "direct": (None, f"http://127.0.0.1:{upstream}/v1/chat/completions")
@@ -198,9 +229,11 @@ def run(args: argparse.Namespace) -> str:
                     continue
                 arms[peer.name] = (peer.pid, peer.url)
                 headers[peer.name] = peer.headers
-            for name, added, used in pc.compare(arms, args.pairs, stream, headers):
+            samples: dict[str, list[float]] = {}
+            for name, added, used in pc.compare(arms, args.pairs, stream, headers, samples):
                 results[(name, stream)] = (added, used)
                 print(f"{name} | {'first token' if stream else 'full answer'} | {added} | {used}")
+            ratios[stream] = ratio_to_fastest(samples)
     rows = []
     for peer in peers:
         row = [peer.name, peer.version]
@@ -232,6 +265,17 @@ def run(args: argparse.Namespace) -> str:
             rows,
         ),
     ]
+    for stream, found in ratios.items():
+        if found is None:
+            continue
+        fastest, ratio, low, high = found
+        if lines[-1].startswith("|"):
+            lines.append("")
+        lines.append(
+            f"- {'First token' if stream else 'Full answer'}: chatroute's added p50 is"
+            f" {ratio:.3f}x the fastest peer's ({fastest}); 90% interval"
+            f" over this run's rotations (2,000 bootstrap resamples): {low:.3f}-{high:.3f}x."
+        )
     return "\n".join(lines)
 
 

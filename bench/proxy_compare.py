@@ -74,10 +74,12 @@ def compare(
     pairs: int,
     stream: bool,
     headers: Mapping[str, Mapping[str, str]] | None = None,
+    samples: dict[str, list[float]] | None = None,
 ) -> list[list[str]]:
     """Each arm's added p50 over the `direct` arm and its process's CPU per request (ms),
     with the arms called in a fresh random order each rotation; `headers` adds headers to
-    an arm's requests (its keys, say)."""
+    an arm's requests (its keys, say). `samples`, when given, receives each arm's times
+    (seconds), one per rotation in rotation order."""
     body = json.dumps(
         {
             "model": "general",
@@ -101,6 +103,8 @@ def compare(
             times[name].append(sb._timed_call(clients[name], arms[name][1], body, stream))
     for client in clients.values():
         client.close()
+    if samples is not None:
+        samples.update(times)
     direct = statistics.median(times["direct"])
     rows = []
     for name, (pid, _) in arms.items():
