@@ -137,7 +137,7 @@ def _compile_for_the_workers(config: pytest.Config) -> None:
         state = None
     root = Path(__file__).parent
     compileall.compile_dir(root.parent / "chatroute", quiet=1)
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         if not path.name.startswith("test_") and path.name != "conftest.py":
             compileall.compile_file(path, quiet=1)  # helpers, imported as plain modules
         elif state is not None and path.name.startswith("test_"):
