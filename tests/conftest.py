@@ -112,7 +112,7 @@ _LONGEST_FIRST = (
 def _compile_for_the_workers(config: pytest.Config) -> None:
     """Write the bytecode every worker of `pytest -n` would otherwise compile for itself.
 
-    On a fresh checkout each worker rewrites the asserts of all ~70 test modules (about
+    On a fresh checkout each worker rewrites the asserts of all 60-odd test modules (about
     3 s of CPU a worker) and compiles the package: with three workers, three times over on
     two cores. Done once here, the workers read it; the files are written as pytest writes
     them (a complete file renamed into place), so a worker that gets there first is
