@@ -265,17 +265,17 @@ def run(args: argparse.Namespace) -> str:
             rows,
         ),
     ]
+    notes = []
     for stream, found in ratios.items():
-        if found is None:
-            continue
-        fastest, ratio, low, high = found
-        if lines[-1].startswith("|"):
-            lines.append("")
-        lines.append(
-            f"- {'First token' if stream else 'Full answer'}: chatroute's added p50 is"
-            f" {ratio:.3f}x the fastest peer's ({fastest}); 90% interval"
-            f" over this run's rotations (2,000 bootstrap resamples): {low:.3f}-{high:.3f}x."
-        )
+        if found is not None:
+            fastest, ratio, low, high = found
+            notes.append(
+                f"- {'First token' if stream else 'Full answer'}: chatroute's added p50 is"
+                f" {ratio:.3f}x the fastest peer's ({fastest}); 90% interval over this"
+                f" run's rotations (2,000 bootstrap resamples): {low:.3f}-{high:.3f}x."
+            )
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines)
 
 

@@ -138,9 +138,11 @@ def _compile_for_the_workers(config: pytest.Config) -> None:
     root = Path(__file__).parent
     compileall.compile_dir(root.parent / "chatroute", quiet=1)
     for path in sorted(root.rglob("*.py")):
-        if not path.name.startswith("test_") and path.name != "conftest.py":
+        if path.name == "conftest.py":
+            continue  # imported (and rewritten) by this process already
+        if not path.name.startswith("test_"):
             compileall.compile_file(path, quiet=1)  # helpers, imported as plain modules
-        elif state is not None and path.name.startswith("test_"):
+        elif state is not None:
             cache = get_cache_dir(path)
             pyc = cache / (path.name[:-3] + PYC_TAIL)
             if try_makedirs(cache) and _read_pyc(path, pyc) is None:
