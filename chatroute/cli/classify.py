@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from chatroute.chat.types import ChatMessage
 from chatroute.server.errors import APIError
-from chatroute.server.wire import WireMessage, query_text, to_chat_messages
+
+if TYPE_CHECKING:
+    from chatroute.server.wire import WireMessage
 
 __all__ = ["BadLine", "ConversationText", "messages_query", "parse_input_line", "resume_point"]
 
-_MESSAGES = TypeAdapter(list[WireMessage])
+
+# The request models load with the first messages row, not with this module: a Ray worker
+# that reads or decides plain-text rows imports it too (the models cost ~0.2 s of CPU there).
+@functools.cache
+def _messages_adapter() -> TypeAdapter[list[WireMessage]]:
+    from chatroute.server.wire import WireMessage
+
+    return TypeAdapter(list[WireMessage])
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,10 @@ def messages_query(messages: Any) -> ConversationText:
             messages = json.loads(messages)
         except ValueError as exc:
             raise ValueError(f"messages are not valid JSON ({exc})") from None
+    from chatroute.server.wire import query_text, to_chat_messages
+
     try:
-        wire = _MESSAGES.validate_python(messages)
+        wire = _messages_adapter().validate_python(messages)
         chat = tuple(to_chat_messages(wire))
         if source is None:
             source = json.dumps(messages, ensure_ascii=False, default=str)
