@@ -61,7 +61,8 @@ def _trust_one_root() -> None:
     os.environ.pop("SSL_CERT_DIR", None)
 
 
-if not Path(os.environ.get("SSL_CERT_FILE", "")).name.startswith("chatroute-tests-"):
+_inherited = Path(os.environ.get("SSL_CERT_FILE", ""))
+if not (_inherited.name.startswith("chatroute-tests-") and _inherited.is_file()):
     _trust_one_root()
 
 
