@@ -174,8 +174,11 @@ def _probe(peer: Peer, stream: bool) -> str | None:
     return None
 
 
+BOOTSTRAP_DRAWS = 2000  # resamples of the rotations behind the ratio's interval
+
+
 def ratio_to_fastest(
-    times: Mapping[str, list[float]], ours: str = "chatroute", draws: int = 2000
+    times: Mapping[str, list[float]], ours: str = "chatroute", draws: int = BOOTSTRAP_DRAWS
 ) -> tuple[str, float, float, float] | None:
     """`ours`' added p50 over the fastest peer's (the lowest added p50) in the same run:
     (that peer, the ratio, and the 5th and 95th percentiles of the ratio over `draws`
@@ -272,7 +275,8 @@ def run(args: argparse.Namespace) -> str:
             notes.append(
                 f"- {'First token' if stream else 'Full answer'}: chatroute's added p50 is"
                 f" {ratio:.3f}x the fastest peer's ({fastest}); 90% interval over this"
-                f" run's rotations (2,000 bootstrap resamples): {low:.3f}-{high:.3f}x."
+                f" run's rotations ({BOOTSTRAP_DRAWS:,} bootstrap resamples):"
+                f" {low:.3f}-{high:.3f}x."
             )
     if notes:
         lines += ["", *notes]
