@@ -472,8 +472,9 @@ class RouteOptions(_Strict):
         fill_defaults(self, options)
 
     def is_empty(self) -> bool:
-        """True when the route sets nothing."""
-        return not self.model_dump(exclude_none=True)
+        """True when the route sets nothing (asked per request: nothing given, the usual
+        case, is answered without dumping the model)."""
+        return not self.model_fields_set or not self.model_dump(exclude_none=True)
 
 
 class RouteConfig(_Strict):

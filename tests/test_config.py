@@ -237,6 +237,19 @@ def test_a_route_override_forces_its_values_and_names_those_it_changed() -> None
     assert route_configure(parse_config(base(), environ={}).routes["general"]) is None
 
 
+def test_a_route_that_sets_only_nulls_configures_nothing() -> None:
+    from chatroute.precedence import route_configure
+
+    data = base()
+    data["routes"]["code"]["options"] = {"temperature": None}
+    data["routes"]["code"]["override"] = {"seed": None, "extra_body": None}
+    route = parse_config(data, environ={}).routes["code"]
+    assert route.options.is_empty() and route.override.is_empty()
+    assert route_configure(route) is None
+    data["routes"]["code"]["override"] = {"seed": None, "extra_body": {"top_k": 1}}
+    assert not parse_config(data, environ={}).routes["code"].override.is_empty()
+
+
 def test_engine_builds_chains_wrappers_and_router() -> None:
     config = parse_config(base(), environ={})
     env = {"FAST_API_KEY": "sk-fast-000000"}
