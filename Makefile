@@ -69,11 +69,12 @@ bench-routing: $(BENCH_STAMP)
 
 # The service's targets, then the floor under the proxy-overhead one (what each layer of the
 # serving stack adds with no chatroute code at all), then what chatroute's own steps of a
-# call cost with the CPU caches warm and cold.
+# call cost with the CPU caches warm and cold, alone and inside a real call.
 bench-service: $(STAMP)
 	$(BIN)/python bench/service_bench.py
 	$(BIN)/python bench/proxy_floor.py
 	$(BIN)/python bench/cold_path.py
+	$(BIN)/python bench/chat_path_layers.py
 
 # The proxy overhead of this tree against another git revision, both in one run (the
 # machine's speed drifts between runs): make bench-compare AGAINST=<revision>
