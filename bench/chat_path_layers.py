@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -93,6 +94,7 @@ class Points:
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self.cold = False  # whether this call evicts the caches when the answer arrives
         self.evicted = 0.0  # CPU spent evicting the caches inside the call
         self._undo: list[Callable[[], None]] = []
 
@@ -107,7 +109,7 @@ class Points:
             self.mark(name)
             return original(*args, **kwargs)
 
-        self._replace(owner, attribute, original, wrapper)
+        self.replace(owner, attribute, wrapper)
 
     def after(self, owner: Any, attribute: str, name: str) -> None:
         """Mark `name` when a call of `owner.attribute` returns."""
@@ -118,7 +120,7 @@ class Points:
             self.mark(name)
             return result
 
-        self._replace(owner, attribute, original, wrapper)
+        self.replace(owner, attribute, wrapper)
 
     def after_await(self, owner: Any, attribute: str, name: str) -> None:
         """Mark `name` when an awaited call of `owner.attribute` returns."""
@@ -129,11 +131,12 @@ class Points:
             self.mark(name)
             return result
 
-        self._replace(owner, attribute, original, wrapper)
+        self.replace(owner, attribute, wrapper)
 
-    def _replace(self, owner: Any, attribute: str, original: Any, wrapper: Any) -> None:
-        if isinstance(owner, type) and inspect.ismethod(original):
-            wrapper = staticmethod(wrapper)  # a classmethod: `original` is bound already
+    def replace(self, owner: Any, attribute: str, wrapper: Any) -> None:
+        """Put `wrapper` in place of `owner.attribute` until `restore()`."""
+        if isinstance(owner, type) and inspect.ismethod(getattr(owner, attribute)):
+            wrapper = staticmethod(wrapper)  # a classmethod: the wrapped one is bound already
         own = vars(owner).get(attribute, _INHERITED)
         setattr(owner, attribute, wrapper)
         if own is _INHERITED:  # found on a class above: uncover it again
@@ -170,8 +173,8 @@ def scope() -> dict[str, Any]:
     }
 
 
-async def call(app: Any, points: Points) -> int:
-    """One chat request through `app`; its status."""
+async def call(app: Any, points: Points) -> None:
+    """One chat request through `app`, its points in `points.times`; it must answer 200."""
     status = 0
     delivered = False
 
@@ -194,13 +197,13 @@ async def call(app: Any, points: Points) -> int:
     points.evicted = 0.0
     points.mark("in")
     await app(scope(), receive, send)
-    return status
+    if status != 200:
+        raise RuntimeError(f"a call answered {status}")
 
 
-def instrument(points: Points, app: Any, evict: Evictor, cold: list[bool]) -> None:
+def instrument(points: Points, app: Any, evict: Evictor) -> None:
     """Wrap the functions whose calls mark the points of `LAYERS`."""
-    service = app.state.service
-    provider = service.engine.providers["fixed"]
+    provider = app.state.service.engine.providers["fixed"]
     points.before(chat_module, "ready_service", "endpoint")
     points.after(ChatCompletionRequest, "model_validate", "validated")
     points.after(chat_module, "chat_call", "converted")
@@ -212,24 +215,19 @@ def instrument(points: Points, app: Any, evict: Evictor, cold: list[bool]) -> No
     points.after(provider, "_read_answer", "mapped")
     points.before(chat_module, "completion_body", "back")
     points.after(chat_module, "completion_body", "encoded")
-    instrument_arrival(points, evict, cold)
-
-
-def instrument_arrival(points: Points, evict: Evictor, cold: list[bool]) -> None:
-    """Mark the upstream answer's first bytes reaching aiohttp (evicting first when cold)."""
     original = ResponseHandler.data_received
 
     def data_received(handler: ResponseHandler, data: bytes) -> None:
+        # The upstream answer's first bytes reach aiohttp (the caches evicted first when cold).
         if "answered" not in points.times and "posting" in points.times:
-            if cold[0]:
+            if points.cold:
                 started = time.thread_time()
                 evict()
                 points.evicted = time.thread_time() - started
             points.mark("answered")
         original(handler, data)
 
-    ResponseHandler.data_received = data_received  # type: ignore[method-assign,assignment]
-    points._undo.append(lambda: setattr(ResponseHandler, "data_received", original))
+    points.replace(ResponseHandler, "data_received", data_received)
 
 
 def bare_relay(url: str, session: aiohttp.ClientSession, points: Points) -> Any:
@@ -245,73 +243,62 @@ def bare_relay(url: str, session: aiohttp.ClientSession, points: Points) -> Any:
     return relay
 
 
+APP_POINTS = ["in", *(name for name, _ in LAYERS)]
+RELAY_POINTS = ["in", "posting", "answered", "sent"]
+Spans = dict[str, list[float]]  # a span's name (the point it ends at, or "total") -> CPU s
+
+
+def record(spans: Spans, points: Points, expected: list[str]) -> None:
+    """Add one call's spans between consecutive points, and its total, to `spans`."""
+    times = points.times
+    if list(times) != expected:
+        raise RuntimeError(f"points out of order: {list(times)}")
+    for before, after in itertools.pairwise(expected):
+        span = times[after] - times[before]
+        if after == "answered":
+            span -= points.evicted
+        spans.setdefault(after, []).append(span)
+    spans.setdefault("total", []).append(times["sent"] - times["in"] - points.evicted)
+
+
 async def measure(args: argparse.Namespace, upstream: int, config_path: Path) -> str:
     app = create_app(load_config(config_path), config_path=config_path)
     evict = Evictor()
-    cold = [False]
     points = Points()
-    lifespan = app.router.lifespan_context(app)
-    await lifespan.__aenter__()
-    session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
-    try:
-        if getattr(app.state, "service", None) is None:
-            raise RuntimeError("the app did not start its service")
-        instrument(points, app, evict, cold)
+    samples: dict[str, dict[str, Spans]] = {
+        target: {"cold": {}, "warm": {}} for target in ("app", "relay")
+    }
+    async with (
+        app.router.lifespan_context(app),
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session,
+    ):
         relay = bare_relay(f"http://127.0.0.1:{upstream}/v1/chat/completions", session, points)
-        for _ in range(30):
-            for target in (app, relay):
-                if await call(target, points) != 200:
-                    raise RuntimeError("a call did not answer 200")
-        gc.collect()
-        gc.freeze()  # as `chatroute serve` does once it is ready
-        names = ["in"] + [name for name, _ in LAYERS]
-        rows: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
-        bare: dict[str, list[float]] = {
-            key: [] for mode in ("cold", "warm") for key in (mode, f"{mode} 7", f"{mode} 8-13")
-        }
-        for _ in range(args.calls):
-            for target in (app, relay):
-                for mode in ("cold", "warm"):
-                    cold[0] = mode == "cold"
-                    if cold[0]:
-                        evict()
+        targets = {"app": (app, APP_POINTS), "relay": (relay, RELAY_POINTS)}
+        try:
+            instrument(points, app, evict)
+            for _ in range(30):
+                for target, _ in targets.values():
                     await call(target, points)
-                    times = points.times
-                    total = times["sent"] - times["in"] - points.evicted
-                    if target is relay:
-                        bare[mode].append(total)
-                        sending = times["answered"] - times["posting"] - points.evicted
-                        bare[f"{mode} 7"].append(sending)
-                        bare[f"{mode} 8-13"].append(times["sent"] - times["answered"])
-                        continue
-                    if list(times) != names:
-                        raise RuntimeError(f"points out of order: {list(times)}")
-                    spans = rows[mode]
-                    for before, after in itertools.pairwise(names):
-                        span = times[after] - times[before]
-                        if after == "answered":
-                            span -= points.evicted
-                        spans.setdefault(after, []).append(span)
-                    spans.setdefault("total", []).append(total)
-        clock_cost = min(_clock_cost() for _ in range(5))
-    finally:
-        points.restore()
-        await session.close()
-        await lifespan.__aexit__(None, None, None)
-    return report(args, rows, bare, clock_cost)
-
-
-def _clock_cost() -> float:
-    started = time.perf_counter()
-    for _ in range(1000):
-        time.thread_time()
-    return (time.perf_counter() - started) / 1000
+            gc.collect()
+            gc.freeze()  # as `chatroute serve` does once it is ready
+            for _ in range(args.calls):
+                for name, (target, expected) in targets.items():
+                    for mode in ("cold", "warm"):
+                        points.cold = mode == "cold"
+                        if points.cold:
+                            evict()
+                        await call(target, points)
+                        record(samples[name][mode], points, expected)
+        finally:
+            points.restore()
+    clock_cost = min(timeit.repeat(time.thread_time, number=1000, repeat=5)) / 1000
+    return report(args, samples["app"], samples["relay"], clock_cost)
 
 
 def report(
     args: argparse.Namespace,
-    rows: dict[str, dict[str, list[float]]],
-    bare: dict[str, list[float]],
+    rows: dict[str, Spans],
+    bare: dict[str, Spans],
     clock_cost: float,
 ) -> str:
     def us(values: list[float]) -> str:
@@ -321,15 +308,17 @@ def report(
         [f"{i}. {what}", us(rows["cold"][name]), us(rows["warm"][name])]
         for i, (name, what) in enumerate(LAYERS, 1)
     ]
-    whole = rows["cold"]["total"], rows["warm"]["total"]
-    lines.append(["whole call, chatroute's app", us(whole[0]), us(whole[1])])
-    lines.append(["whole call, bare aiohttp relay", us(bare["cold"]), us(bare["warm"])])
-    lines.append(["bare relay: as 7", us(bare["cold 7"]), us(bare["warm 7"])])
-    lines.append(
-        ["bare relay: answer in to last send", us(bare["cold 8-13"]), us(bare["warm 8-13"])]
-    )
-    chatroute_cold = statistics.median(rows["cold"]["total"]) - statistics.median(bare["cold"])
-    chatroute_warm = statistics.median(rows["warm"]["total"]) - statistics.median(bare["warm"])
+    for label, spans, span in (
+        ("whole call, chatroute's app", rows, "total"),
+        ("whole call, bare aiohttp relay", bare, "total"),
+        ("bare relay: as 7", bare, "answered"),
+        ("bare relay: answer in to last send", bare, "sent"),
+    ):
+        lines.append([label, us(spans["cold"][span]), us(spans["warm"][span])])
+
+    def own(mode: str) -> float:  # the app's whole call less the bare relay's
+        return statistics.median(rows[mode]["total"]) - statistics.median(bare[mode]["total"])
+
     return "\n".join(
         [
             "## What each layer of the chat path costs inside a real call (CPU µs)",
@@ -347,7 +336,7 @@ def report(
             table(["span", "cold µs", "warm µs"], lines),
             "",
             f"chatroute's own work, the app's whole call less the bare relay's: "
-            f"{chatroute_cold * 1e6:.0f} µs cold, {chatroute_warm * 1e6:.0f} µs warm. "
+            f"{own('cold') * 1e6:.0f} µs cold, {own('warm') * 1e6:.0f} µs warm. "
             "The spans of aiohttp (7, 8 and part of 9) are what any proxy on this "
             "transport pays; the rest is the framework's (1, 13) and chatroute's. "
             "Medians of spans do not add up to the median of wholes.",

@@ -25,10 +25,10 @@ no arm's window starts with idle model threads and passes still settling in size
 table shows each arm's median round, its ratio to the reference (the median of the
 per-round ratios, each round's arms measured back to back), the forward passes it ran
 (mean texts per pass, padded tokens per text: the in-process arms through a batch
-listener, the service through its `/metrics` histograms), and CPU time per text: the embedding process's (the bench process for the in-process arms,
-the service for the HTTP arms, split into its event loop thread and the rest: model and
-tokeniser threads) and, for the HTTP arms, the load client's own (this process, on the
-same cores). On a shared machine the wall-clock rates move with the other load, the CPU
+listener, the service through its `/metrics` histograms), and CPU time per text: the
+embedding process's (the bench process for the in-process arms, the service for the HTTP
+arms, split into its event loop thread and the rest: model and tokeniser threads) and,
+for the HTTP arms, the load client's own (this process, on the same cores). On a shared machine the wall-clock rates move with the other load, the CPU
 cost much less. The vectors the service returns are checked against in-process ones. The
 markdown result is printed and written to the `embeddings` section of BENCHMARKS.md
 (`--no-write` to skip).
